@@ -1,0 +1,75 @@
+"""Namespaces: everything that makes two blocks' bytes incompatible, in one digest.
+
+A block key is ``(namespace digest, chain hash)``. The digest covers the model, the KV
+layout (dtype, block size, layers, heads, head dim, element order), the tensor- and
+pipeline-parallel shard, and an optional tenant salt, so two engines that would write
+different bytes for the same tokens never share a block. Serving KV computed under
+another namespace would give plausible but wrong answers; the digest makes that
+impossible by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgpack
+import xxhash
+
+from kvstore.errors import InvalidArgument
+from kvstore.layout import KVLayout
+
+__all__ = ["Namespace", "NAMESPACE_DIGEST_BYTES"]
+
+NAMESPACE_DIGEST_BYTES = 16
+_NAMESPACE_FORMAT = "kvstore/namespace/v1"
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    model_id: str
+    layout: KVLayout
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    tenant_salt: str = ""
+    digest: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_id, str) or not self.model_id.strip():
+            raise InvalidArgument("Namespace.model_id must be a non-empty model name.")
+        if not isinstance(self.layout, KVLayout):
+            raise InvalidArgument("Namespace.layout must be a KVLayout.")
+        for rank, size, what in ((self.tp_rank, self.tp_size, "tp"), (self.pp_rank, self.pp_size, "pp")):
+            if not isinstance(size, int) or size <= 0:
+                raise InvalidArgument(f"Namespace.{what}_size must be a positive integer, got {size!r}.")
+            if not isinstance(rank, int) or not 0 <= rank < size:
+                raise InvalidArgument(f"Namespace.{what}_rank must lie in [0, {size}), got {rank!r}.")
+        if not isinstance(self.tenant_salt, str):
+            raise InvalidArgument("Namespace.tenant_salt must be a string.")
+        canonical = msgpack.packb(
+            [
+                _NAMESPACE_FORMAT,
+                self.model_id,
+                self.layout.describe(),
+                self.tp_rank,
+                self.tp_size,
+                self.pp_rank,
+                self.pp_size,
+                self.tenant_salt,
+            ]
+        )
+        object.__setattr__(self, "digest", xxhash.xxh3_128_digest(canonical))
+
+    @property
+    def id(self) -> str:
+        """The digest as 32 hex digits, as the CLI and the API print it."""
+        return self.digest.hex()
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layout.block_bytes
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import abc
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
+from kvstore.errors import InvalidArgument
 from kvstore.hashing import BlockHash
 from kvstore.tiers.slab import Slot
 
-__all__ = ["TierKind", "BlockMeta", "Tier", "TierStats"]
+__all__ = ["TierKind", "BlockMeta", "Tier", "TierStats", "byte_view"]
 
 
 class TierKind(str, enum.Enum):
@@ -68,6 +70,8 @@ class TierStats:
 
 class Tier(abc.ABC):
     kind: TierKind
+    # False only for VirtualTier, which accounts capacity without storing bytes
+    holds_bytes: bool = True
 
     @abc.abstractmethod
     def allocate(self, nbytes: int) -> Slot | None:
@@ -90,5 +94,33 @@ class Tier(abc.ABC):
     def stats(self) -> TierStats:
         """Capacity and occupancy right now."""
 
+    def submit_write(self, slot: Slot, src: torch.Tensor, meta: BlockMeta) -> Future[None]:
+        """`write`, possibly in the background. Memory tiers finish before returning;
+        the NVMe tier runs it in its I/O thread pool so that many writes overlap."""
+        return _run_now(self.write, slot, src, meta)
+
+    def submit_read(self, slot: Slot, dst: torch.Tensor, meta: BlockMeta) -> Future[None]:
+        """`read`, possibly in the background (see `submit_write`)."""
+        return _run_now(self.read, slot, dst, meta)
+
     def close(self) -> None:
         """Release OS resources; the default holds none."""
+
+
+def _run_now(operation, slot: Slot, tensor: torch.Tensor, meta: BlockMeta) -> Future[None]:
+    future: Future[None] = Future()
+    try:
+        operation(slot, tensor, meta)
+    except BaseException as exc:  # handed to whoever waits on the future, as an executor would
+        future.set_exception(exc)
+    else:
+        future.set_result(None)
+    return future
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor of any dtype as a flat uint8 view (no copy)."""
+    if not tensor.is_contiguous():
+        raise InvalidArgument("block tensors must be contiguous; call .contiguous() first.")
+    flat = tensor.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)

@@ -1,0 +1,109 @@
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.errors import InvalidArgument, TierUnavailable
+from kvstore.hashing import chain_hashes
+from kvstore.tiers.base import BlockMeta, TierKind
+from kvstore.tiers.host import HostTier, HostTierConfig, SharedSlab
+
+MiB = 1024 * 1024
+PEER = Path(__file__).with_name("shm_peer.py")
+
+
+def pattern(nbytes, seed):
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def host_tier():
+    tier = HostTier(HostTierConfig(capacity_bytes=8 * MiB, name=f"kvstore-test-{uuid.uuid4().hex[:8]}", page_bytes=2 * MiB))
+    yield tier
+    tier.close()
+
+
+class Peer:
+    def __init__(self, path):
+        self.process = subprocess.Popen(
+            [sys.executable, str(PEER), str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self.process.stdout.readline().strip() == "ready"
+
+    def ask(self, *words):
+        self.process.stdin.write(" ".join(map(str, words)) + "\n")
+        self.process.stdin.flush()
+        return self.process.stdout.readline().strip()
+
+    def close(self):
+        self.process.stdin.close()
+        assert self.process.wait(timeout=30) == 0
+
+
+def test_two_processes_share_the_slab_without_copies(host_tier):
+    assert host_tier.kind is TierKind.HOST and host_tier.path.exists()
+    mine = host_tier.allocate(300_000)
+    theirs = host_tier.allocate(300_000)
+    peer = Peer(host_tier.path)
+    try:
+        # the peer writes into a slot; this process sees the bytes through its own view
+        assert peer.ask("write", theirs.offset, 300_000, 7) == "ok"
+        assert torch.equal(host_tier.view(theirs, 300_000), pattern(300_000, 7))
+        # and the other way round, through the Tier interface
+        data = pattern(300_000, 11)
+        meta = BlockMeta(b"n" * 16, chain_hashes(list(range(16)), 16)[0], None, 300_000)
+        host_tier.write(mine, data, meta)
+        assert peer.ask("check", mine.offset, 300_000, 11) == "ok"
+        assert peer.ask("check", mine.offset, 300_000, 12) == "bad"
+    finally:
+        peer.close()
+    out = torch.empty(300_000, dtype=torch.uint8)
+    host_tier.read(theirs, out, meta)
+    assert torch.equal(out, pattern(300_000, 7))
+
+
+def test_a_leftover_segment_is_refused_unless_reclaimed(host_tier):
+    config = host_tier.config
+    with pytest.raises(TierUnavailable, match="already exists"):
+        HostTier(config)
+    reclaimed = HostTier(HostTierConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__}, "reclaim_stale": True}))
+    assert reclaimed.stats().capacity_bytes == 8 * MiB
+    reclaimed.close()
+    assert not config.path.exists()
+
+
+def test_close_removes_the_file_and_attach_then_fails():
+    tier = HostTier(HostTierConfig(capacity_bytes=2 * MiB, name=f"kvstore-test-{uuid.uuid4().hex[:8]}"))
+    view = tier.view(tier.allocate(4096))  # a view still alive must not block close
+    path = tier.path
+    tier.close()
+    assert not path.exists()
+    del view
+    with pytest.raises(TierUnavailable, match="daemon running"):
+        SharedSlab.attach(path)
+
+
+def test_too_large_a_segment_fails_cleanly(tmp_path):
+    small = tmp_path / "small-shm"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        with pytest.raises(TierUnavailable, match="lower the host tier capacity"):
+            HostTier(HostTierConfig(capacity_bytes=8 * MiB, name="big", directory=small))
+        assert not (small / "big").exists()
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+def test_bad_config():
+    with pytest.raises(InvalidArgument):
+        HostTierConfig(capacity_bytes=0)
+    with pytest.raises(InvalidArgument):
+        HostTierConfig(capacity_bytes=MiB, name="../etc")
+    with pytest.raises(TierUnavailable, match="not a host tier file"):
+        SharedSlab.attach("/dev/null")

@@ -1,0 +1,230 @@
+"""The tier manager over real memory tiers (CPU tensors) and, where noted, the NVMe tier."""
+
+import pytest
+import torch
+
+from kvstore.errors import (
+    BlockSizeMismatch,
+    CapacityExhausted,
+    InvalidArgument,
+    NotFound,
+    ReservationExpired,
+    UnknownNamespace,
+)
+from kvstore.events import BlockMoved, BlockRemoved, BlockStored, RemovalReason
+from kvstore.hashing import chain_hashes
+from kvstore.layout import KVLayout
+from kvstore.namespace import Namespace
+from kvstore.tiers.base import TierKind
+from kvstore.tiers.manager import TierManager, TierManagerConfig
+from kvstore.tiers.memory import MemoryTier, VirtualTier
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")
+NAMESPACE = Namespace("tiny-llama", LAYOUT)
+NS = NAMESPACE.digest
+BLOCK = LAYOUT.block_bytes  # 16 KiB
+PAGE = 64 * 1024
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def memory_tier(kind, num_blocks):
+    return MemoryTier(kind, torch.zeros(num_blocks * BLOCK, dtype=torch.uint8), page_bytes=PAGE)
+
+
+def make_manager(host_blocks=8, hbm_blocks=None, lower_blocks=None, clock=None, **config):
+    tiers = [memory_tier(TierKind.HOST, host_blocks)]
+    if hbm_blocks:
+        tiers.append(memory_tier(TierKind.HBM, hbm_blocks))
+    if lower_blocks:
+        tiers.append(memory_tier(TierKind.NVME, lower_blocks))
+    manager = TierManager(TierManagerConfig(**config), tiers, clock=clock or Clock())
+    manager.register_namespace(NAMESPACE)
+    return manager
+
+
+def blocks_for(seed, count):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 255, (BLOCK,), dtype=torch.uint8, generator=gen) for _ in range(count)]
+
+
+def chain(seed, count):
+    return chain_hashes([seed * 1000 + i for i in range(count * 16)], 16)
+
+
+def test_put_lookup_get_round_trip():
+    manager = make_manager()
+    hashes, data = chain(1, 3), blocks_for(1, 3)
+    assert manager.put(NS, hashes, data) == 3
+    assert manager.put(NS, hashes, data) == 0  # already cached
+    assert manager.lookup(NS, hashes + chain(2, 1)) == [TierKind.HOST] * 3
+    out = torch.empty(BLOCK, dtype=torch.uint8)
+    assert manager.get(NS, hashes[2], out)
+    assert torch.equal(out, data[2])
+    stored = [e for e in manager.events.drain() if isinstance(e, BlockStored)]
+    assert [e.block_hash for e in stored] == hashes
+    assert stored[1].parent_hash == hashes[0] and stored[0].parent_hash is None
+
+
+def test_lookup_stops_at_the_first_gap():
+    manager = make_manager()
+    hashes = chain(1, 4)
+    manager.put(NS, hashes[:2], blocks_for(1, 2))
+    manager.put(NS, hashes[3:], blocks_for(2, 1), parent_hash=hashes[2])
+    assert len(manager.lookup(NS, hashes)) == 2
+
+
+def test_bad_input_gets_specific_errors_and_changes_nothing():
+    manager = make_manager()
+    other = Namespace("other-model", LAYOUT)
+    with pytest.raises(UnknownNamespace):
+        manager.lookup(other.digest, chain(1, 1))
+    with pytest.raises(BlockSizeMismatch):
+        manager.put(NS, chain(1, 1), [torch.zeros(BLOCK - 1, dtype=torch.uint8)])
+    with pytest.raises(BlockSizeMismatch):
+        manager.put(NS, chain(1, 1), [torch.zeros(0, dtype=torch.uint8)])
+    with pytest.raises(InvalidArgument):
+        manager.put(NS, chain(1, 2), blocks_for(1, 1))
+    huge = Namespace("huge", KVLayout(num_layers=64, num_kv_heads=8, head_dim=128, block_size=64))
+    with pytest.raises(InvalidArgument):
+        manager.register_namespace(huge)
+    assert len(manager.catalogue) == 0 and manager.tier(TierKind.HOST).stats().used_bytes == 0
+
+
+def test_full_tier_evicts_leaf_first_lru_and_emits_removals():
+    manager = make_manager(host_blocks=4)
+    a = chain(1, 3)
+    b = chain(2, 1)
+    manager.put(NS, a, blocks_for(1, 3))
+    manager.put(NS, b, blocks_for(2, 1))
+    manager.events.drain()
+    manager.put(NS, chain(3, 2), blocks_for(3, 2))  # needs two slots
+    removed = [e.block_hash for e in manager.events.drain() if isinstance(e, BlockRemoved)]
+    # a's leaf goes first (least recently used leaf), then its parent, never a[0] before them
+    assert removed == [a[2], a[1]]
+    assert manager.lookup(NS, a) == [TierKind.HOST]
+
+
+def test_leases_and_pins_protect_blocks_and_capacity_is_reported():
+    manager = make_manager(host_blocks=2)
+    hashes = chain(1, 2)
+    manager.put(NS, hashes, blocks_for(1, 2))
+    lease = manager.acquire(NS, hashes[:1])
+    assert manager.pin(NS, hashes[1:]) == 1
+    with pytest.raises(CapacityExhausted):
+        manager.put(NS, chain(2, 1), blocks_for(2, 1))
+    manager.release(lease.id)
+    with pytest.raises(NotFound):
+        manager.release(lease.id)
+    # a[0] is now evictable but has a pinned child: it still may go (interior), the pin holds
+    assert manager.put(NS, chain(2, 1), blocks_for(2, 1)) == 1
+    assert manager.lookup(NS, hashes) == []
+    assert [b.block_hash for b in manager.blocks() if b.pinned] == [hashes[1]]
+    manager.unpin(NS, hashes[1:])
+    assert manager.put(NS, chain(3, 1), blocks_for(3, 1)) == 1
+
+
+def test_reservations_expire_and_late_commits_are_refused():
+    clock = Clock()
+    manager = make_manager(host_blocks=2, clock=clock, reservation_ttl_s=5.0)
+    reservation = manager.reserve(NS, chain(1, 2))
+    assert manager.tier(TierKind.HOST).stats().used_bytes == 2 * BLOCK
+    clock.now = 6.0
+    assert manager.expire_reservations() == 1
+    assert manager.tier(TierKind.HOST).stats().used_bytes == 0
+    with pytest.raises(ReservationExpired):
+        manager.commit(reservation.id)
+    with pytest.raises(NotFound):
+        manager.commit(12345)
+
+
+def test_reserve_skips_cached_and_in_flight_blocks_and_partial_commit():
+    manager = make_manager(host_blocks=8)
+    hashes = chain(1, 4)
+    manager.put(NS, hashes[:1], blocks_for(1, 1))
+    first = manager.reserve(NS, hashes)
+    assert [b.block_hash for b in first.blocks] == hashes[1:] and first.num_cached == 1
+    second = manager.reserve(NS, hashes)
+    assert second.blocks == () and second.num_cached == 4
+    views = manager.reservation_slots(first)
+    for view, data in zip(views, blocks_for(7, 3)):
+        view.copy_(data)
+    assert manager.commit(first.id, num_written=2) == 2
+    assert len(manager.lookup(NS, hashes)) == 3
+    assert manager.tier(TierKind.HOST).stats().num_blocks == 3
+
+
+def test_reserve_covers_the_prefix_that_fits():
+    manager = make_manager(host_blocks=3)
+    manager.put(NS, chain(9, 1), blocks_for(9, 1))
+    manager.pin(NS, chain(9, 1))
+    reservation = manager.reserve(NS, chain(1, 4))
+    assert len(reservation.blocks) == 2
+
+
+def test_demotion_under_pressure_and_promotion_on_hit():
+    manager = make_manager(host_blocks=4, lower_blocks=16, high_watermark=0.75, low_watermark=0.5)
+    hashes, data = chain(1, 4), blocks_for(1, 4)
+    manager.put(NS, hashes, data)
+    # 4/4 > 0.75: demoted down to 2/4, leaves first
+    assert manager.lookup(NS, hashes) == [TierKind.HOST, TierKind.HOST, TierKind.NVME, TierKind.NVME]
+    moved = [e for e in manager.events.drain() if isinstance(e, BlockMoved)]
+    assert {e.block_hash for e in moved} == set(hashes[2:])
+    lease = manager.acquire(NS, hashes)
+    assert len(lease.blocks) == 4
+    views = manager.lease_views(lease)
+    assert all(torch.equal(v, d) for v, d in zip(views, data))
+    assert manager.counters["hit_blocks_nvme"] == 2
+    manager.release(lease.id)
+
+
+def test_lowest_tier_drops_when_everything_is_full():
+    manager = make_manager(host_blocks=2, lower_blocks=2, high_watermark=0.9, low_watermark=0.5)
+    for seed in range(1, 6):
+        manager.put(NS, chain(seed, 1), blocks_for(seed, 1))
+    # the host is kept at its low watermark (1 block), NVMe full (2): the two oldest dropped
+    assert len(manager.catalogue) == 3
+    reasons = [e.reason for e in manager.events.drain() if isinstance(e, BlockRemoved)]
+    assert reasons == [RemovalReason.CAPACITY] * 2
+    assert manager.lookup(NS, chain(1, 1)) == [] and manager.lookup(NS, chain(2, 1)) == []
+
+
+def test_explicit_evict_filters():
+    clock = Clock()
+    manager = make_manager(host_blocks=8, clock=clock)
+    manager.put(NS, chain(1, 2), blocks_for(1, 2))
+    clock.now = 100.0
+    manager.put(NS, chain(2, 2), blocks_for(2, 2))
+    assert manager.evict(idle_for_s=50).num_evicted == 2
+    assert len(manager.lookup(NS, chain(2, 2))) == 2
+    manager.pin(NS, chain(2, 1))
+    result = manager.evict(namespace=NS)
+    assert (result.num_evicted, result.num_skipped) == (1, 1)
+
+
+def test_hbm_tier_logic_on_a_cpu_tensor():
+    manager = make_manager(host_blocks=4, hbm_blocks=2, high_watermark=1.0)
+    hashes, data = chain(1, 2), blocks_for(1, 2)
+    manager.put(NS, hashes, data)  # the fastest tier is the default target
+    assert manager.lookup(NS, hashes) == [TierKind.HBM] * 2
+    lease = manager.acquire(NS, hashes, tier=TierKind.HOST)
+    assert all(torch.equal(v, d) for v, d in zip(manager.lease_views(lease), data))
+    assert manager.lookup(NS, hashes) == [TierKind.HOST] * 2
+
+
+def test_virtual_tiers_account_capacity_without_bytes():
+    tiers = [VirtualTier(TierKind.HOST, 4 * BLOCK, PAGE), VirtualTier(TierKind.NVME, 8 * BLOCK, PAGE)]
+    manager = TierManager(TierManagerConfig(high_watermark=0.9, low_watermark=0.5), tiers, clock=Clock())
+    manager.register_namespace(NAMESPACE)
+    for seed in range(1, 4):
+        reservation = manager.reserve(NS, chain(seed, 2))
+        manager.commit(reservation.id)
+    tiers_now = [TierKind(t) for t in manager.lookup(NS, chain(3, 2))]
+    assert len(tiers_now) == 2
+    assert sum(s.num_blocks for s in manager.tier_stats()) == 6

@@ -1,0 +1,63 @@
+import pytest
+
+from kvstore.errors import InvalidArgument
+from kvstore.tiers.slab import SlabAllocator, Slot
+
+MiB = 1024 * 1024
+
+
+def test_slots_are_aligned_distinct_and_reused():
+    slab = SlabAllocator(4 * MiB, MiB)
+    slots = [slab.allocate(300_000) for _ in range(12)]
+    assert all(s is not None and s.offset % 4096 == 0 and s.nbytes == 303_104 for s in slots)
+    assert len({s.offset for s in slots}) == 12
+    assert slab.allocate(300_000) is None  # 3 slots per 1 MiB page, 4 pages
+    slab.free(slots[5])
+    assert slab.allocate(300_000) == slots[5]
+    assert slab.used_bytes == 12 * 303_104
+
+
+def test_size_classes_share_pages_and_return_empty_pages():
+    slab = SlabAllocator(2 * MiB, MiB)
+    small = [slab.allocate(4096) for _ in range(256)]  # fills page 0
+    assert all(s is not None for s in small)
+    big = slab.allocate(MiB)
+    assert big is not None and slab.allocate(MiB) is None and slab.allocate(4096) is None
+    for slot in small:
+        slab.free(slot)
+    assert slab.page_slot_bytes(0) is None  # the empty page went back to the pool
+    assert slab.allocate(MiB) is not None
+
+
+def test_no_slot_straddles_a_page():
+    slab = SlabAllocator(3 * MiB, MiB)
+    slots = []
+    while (slot := slab.allocate(400 * 1024)) is not None:
+        slots.append(slot)
+    for slot in slots:
+        assert slot.offset // MiB == (slot.offset + slot.nbytes - 1) // MiB
+    assert len(slots) == 6
+
+
+def test_page_header_space_is_skipped():
+    slab = SlabAllocator(2 * MiB, MiB, page_header_bytes=4096)
+    slot = slab.allocate(8192)
+    assert slot.offset == 4096
+
+
+def test_restore_page_marks_used_slots():
+    slab = SlabAllocator(2 * MiB, MiB)
+    restored = slab.restore_page(1, 256 * 1024, [MiB, MiB + 512 * 1024])
+    assert restored == [Slot(MiB, 262144), Slot(MiB + 524288, 262144)]
+    fresh = {slab.allocate(256 * 1024).offset for _ in range(2)}
+    assert fresh == {MiB + 256 * 1024, MiB + 768 * 1024}
+
+
+def test_errors():
+    slab = SlabAllocator(MiB, MiB)
+    with pytest.raises(InvalidArgument):
+        slab.allocate(0)
+    with pytest.raises(InvalidArgument):
+        slab.allocate(2 * MiB)
+    with pytest.raises(InvalidArgument):
+        slab.free(Slot(0, 4096))

@@ -1,0 +1,156 @@
+"""The catalogue: every cached block of a node, by key, linked into prefix trees.
+
+A block's parent is the block before it in its chain. The catalogue keeps, for every
+block, its cached children and whether it is *reachable* — every ancestor cached, so a
+prefix lookup that starts at the chain's first block can get to it. Eviction policies
+read both (see tiers/eviction.py). Children may arrive before their parent (a restart
+recovers NVMe slots in any order, a transfer may land out of order): they wait, unreachable,
+until the parent is inserted and adopts them.
+
+Owner: the tier manager; not thread-safe.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from kvstore.hashing import BlockHash
+from kvstore.tiers.base import TierKind
+from kvstore.tiers.slab import Slot
+
+__all__ = ["BlockKey", "BlockEntry", "Catalogue"]
+
+BlockKey = tuple[bytes, BlockHash]  # (namespace digest, chain hash)
+
+
+class BlockEntry:
+    __slots__ = (
+        "key",
+        "parent_key",
+        "parent",
+        "children",
+        "tier",
+        "slot",
+        "nbytes",
+        "num_leases",
+        "pinned",
+        "reachable",
+        "moving",
+        "stored_at",
+        "last_access",
+    )
+
+    def __init__(self, key: BlockKey, parent_key: BlockKey | None, tier: TierKind, slot: Slot, nbytes: int, now: float) -> None:
+        self.key = key
+        self.parent_key = parent_key
+        self.parent: BlockEntry | None = None
+        self.children: set[BlockEntry] | None = None
+        self.tier = tier
+        self.slot = slot
+        self.nbytes = nbytes
+        self.num_leases = 0
+        self.pinned = False
+        self.reachable = parent_key is None
+        # set while the block is being moved out of its tier: it no longer counts as a
+        # child there, so its parent may be picked next in the same batch
+        self.moving = False
+        self.stored_at = now
+        self.last_access = now
+
+    @property
+    def num_children(self) -> int:
+        return len(self.children) if self.children else 0
+
+    @property
+    def is_tier_leaf(self) -> bool:
+        """No cached child lives in this block's tier or a faster one."""
+        if not self.children:
+            return True
+        rank = self.tier.rank
+        return all(child.moving or child.tier.rank > rank for child in self.children)
+
+    @property
+    def evictable(self) -> bool:
+        return self.num_leases == 0 and not self.pinned
+
+    def __repr__(self) -> str:
+        return f"BlockEntry({self.key[1].hex()[:12]}…, {self.tier.value}, leases={self.num_leases}, pinned={self.pinned})"
+
+
+class Catalogue:
+    def __init__(self, on_reclassify: Callable[[BlockEntry], None]) -> None:
+        # called when a block gains or loses a child, or its reachability flips, so that
+        # its eviction group can follow
+        self._on_reclassify = on_reclassify
+        self._entries: dict[BlockKey, BlockEntry] = {}
+        self._waiting: dict[BlockKey, set[BlockEntry]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[BlockEntry]:
+        return iter(list(self._entries.values()))
+
+    def get(self, key: BlockKey) -> BlockEntry | None:
+        return self._entries.get(key)
+
+    def insert(self, entry: BlockEntry) -> None:
+        assert entry.key not in self._entries, "a block is inserted once; callers check first"
+        parent_key = entry.parent_key
+        parent = self._entries.get(parent_key) if parent_key is not None else None
+        if parent is not None:
+            entry.parent = parent
+            entry.reachable = parent.reachable
+            if parent.children is None:
+                parent.children = set()
+            parent.children.add(entry)
+            self._on_reclassify(parent)
+        else:
+            entry.reachable = parent_key is None
+            if parent_key is not None:
+                self._waiting.setdefault(parent_key, set()).add(entry)
+        self._entries[entry.key] = entry
+        adopted = self._waiting.pop(entry.key, None)
+        if adopted:
+            entry.children = adopted
+            for child in adopted:
+                child.parent = entry
+            if entry.reachable:
+                self._set_reachable(adopted, True)
+
+    def remove(self, entry: BlockEntry) -> None:
+        del self._entries[entry.key]
+        parent = entry.parent
+        if parent is not None:
+            assert parent.children is not None and entry in parent.children
+            parent.children.discard(entry)
+            self._on_reclassify(parent)
+            entry.parent = None
+        elif entry.parent_key is not None:
+            waiting = self._waiting.get(entry.parent_key)
+            if waiting is not None:
+                waiting.discard(entry)
+                if not waiting:
+                    del self._waiting[entry.parent_key]
+        children = entry.children
+        if children:
+            entry.children = None
+            for child in children:
+                child.parent = None
+            self._waiting[entry.key] = children
+            if entry.reachable:
+                self._set_reachable(children, False)
+
+    def _set_reachable(self, roots: set[BlockEntry], value: bool) -> None:
+        stack = list(roots)
+        while stack:
+            node = stack.pop()
+            if node.reachable == value:
+                continue
+            node.reachable = value
+            self._on_reclassify(node)
+            if node.children:
+                stack.extend(node.children)

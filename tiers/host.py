@@ -1,0 +1,138 @@
+"""The host tier: one shared-memory file that engines map by name.
+
+The daemon creates ``<directory>/<name>`` (``/dev/shm`` by default), reserves its pages
+with ``posix_fallocate`` (so a full tmpfs is a clear error at start, never a SIGBUS on
+first touch) and maps it; an engine process maps the same file with
+``SharedSlab.attach(path)`` and reads or writes slots as torch tensor views — the data
+path between engine and daemon is a memcpy, never a socket. Where CUDA is present the
+mapping is page-locked (cudaHostRegister) so GPU↔host copies run at DMA speed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvstore.errors import InvalidArgument, TierUnavailable
+from kvstore.tiers import device
+from kvstore.tiers.base import TierKind
+from kvstore.tiers.memory import DEFAULT_PAGE_BYTES, MemoryTier
+from kvstore.tiers.slab import Slot
+
+__all__ = ["HostTierConfig", "HostTier", "SharedSlab"]
+
+
+@dataclass(frozen=True, slots=True)
+class HostTierConfig:
+    capacity_bytes: int
+    name: str = "kvstore-host"
+    directory: Path = Path("/dev/shm")
+    page_bytes: int = DEFAULT_PAGE_BYTES
+    pin_memory: bool = True
+    # reuse a segment left behind by a daemon that crashed instead of refusing to start
+    reclaim_stale: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
+            raise InvalidArgument(f"host tier capacity_bytes must be a positive integer, got {self.capacity_bytes!r}.")
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise InvalidArgument(f"host tier name {self.name!r} must be a plain file name.")
+
+    @property
+    def path(self) -> Path:
+        return Path(self.directory) / self.name
+
+
+class SharedSlab:
+    """A mapping of a host-tier file, as a flat uint8 tensor; the daemon creates it, an
+    engine attaches to it. Closing drops the mapping; only the creator removes the file."""
+
+    def __init__(self, path: Path, mapping: mmap.mmap, owner: bool) -> None:
+        self.path = path
+        self._mapping = mapping
+        self._owner = owner
+        self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, path: Path, nbytes: int, reclaim_stale: bool = False) -> "SharedSlab":
+        flags = os.O_RDWR | os.O_CREAT | (0 if reclaim_stale else os.O_EXCL)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError as exc:
+            raise TierUnavailable(
+                f"{path} already exists: another daemon is running or one crashed; stop it, "
+                "or start with stale segments reclaimed."
+            ) from exc
+        except OSError as exc:
+            raise TierUnavailable(f"cannot create the host tier file {path}: {exc.strerror}.") from exc
+        try:
+            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)
+            mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise TierUnavailable(
+                f"cannot reserve {nbytes} bytes for the host tier in {path.parent}: {exc.strerror}; "
+                "lower the host tier capacity or enlarge that filesystem."
+            ) from exc
+        os.close(fd)
+        return cls(path, mapping, owner=True)
+
+    @classmethod
+    def attach(cls, path: Path | str) -> "SharedSlab":
+        path = Path(path)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise TierUnavailable(f"cannot open the host tier file {path}: {exc.strerror}; is the daemon running?") from exc
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
+                raise TierUnavailable(f"{path} is not a host tier file (not a regular, non-empty file).")
+            mapping = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise TierUnavailable(f"cannot map the host tier file {path}: {exc.strerror}.") from exc
+        finally:
+            os.close(fd)
+        return cls(path, mapping, owner=False)
+
+    def view(self, slot: Slot, nbytes: int | None = None) -> torch.Tensor:
+        length = slot.nbytes if nbytes is None else nbytes
+        if slot.offset < 0 or slot.offset + length > self.tensor.numel():
+            raise InvalidArgument(f"slot {slot} lies outside the {self.tensor.numel()}-byte host slab.")
+        return self.tensor[slot.offset : slot.offset + length]
+
+    def close(self) -> None:
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        try:
+            self._mapping.close()
+        except BufferError:
+            # views handed out earlier still reference the mapping; it goes when they do
+            pass
+        if self._owner:
+            self.path.unlink(missing_ok=True)
+
+
+class HostTier(MemoryTier):
+    def __init__(self, config: HostTierConfig) -> None:
+        self.config = config
+        self.shared = SharedSlab.create(config.path, config.capacity_bytes, config.reclaim_stale)
+        super().__init__(TierKind.HOST, self.shared.tensor, config.page_bytes)
+        self.pinned = config.pin_memory and device.pin_host_memory(self.shared.tensor)
+
+    @property
+    def path(self) -> Path:
+        return self.shared.path
+
+    def close(self) -> None:
+        if self.pinned:
+            device.unpin_host_memory(self.shared.tensor)
+            self.pinned = False
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self.shared.close()

@@ -1,0 +1,84 @@
+"""Tiers whose slots live in one flat byte tensor, and the capacity-only tier.
+
+``MemoryTier.view()`` returns a zero-copy uint8 view of a slot: engines and the tier
+manager copy straight into and out of it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.errors import BlockSizeMismatch, TierUnavailable
+from kvstore.tiers.base import BlockMeta, Tier, TierKind, TierStats, byte_view
+from kvstore.tiers.slab import SlabAllocator, Slot
+
+__all__ = ["MemoryTier", "VirtualTier", "DEFAULT_PAGE_BYTES"]
+
+DEFAULT_PAGE_BYTES = 64 * 1024 * 1024
+
+
+class _SlabTier(Tier):
+    def __init__(self, kind: TierKind, capacity_bytes: int, page_bytes: int) -> None:
+        self.kind = kind
+        self._slab = SlabAllocator(capacity_bytes, page_bytes)
+        self._num_blocks = 0
+
+    @property
+    def slab(self) -> SlabAllocator:
+        return self._slab
+
+    def allocate(self, nbytes: int) -> Slot | None:
+        slot = self._slab.allocate(nbytes)
+        if slot is not None:
+            self._num_blocks += 1
+        return slot
+
+    def free(self, slot: Slot) -> None:
+        self._slab.free(slot)
+        self._num_blocks -= 1
+
+    def stats(self) -> TierStats:
+        return TierStats(self.kind, self._slab.capacity_bytes, self._slab.used_bytes, self._num_blocks)
+
+
+class MemoryTier(_SlabTier):
+    def __init__(self, kind: TierKind, buffer: torch.Tensor, page_bytes: int = DEFAULT_PAGE_BYTES) -> None:
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+            raise TierUnavailable("a memory tier needs a flat uint8 buffer.")
+        super().__init__(kind, buffer.numel(), page_bytes)
+        self._buffer = buffer
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def view(self, slot: Slot, nbytes: int | None = None) -> torch.Tensor:
+        """A zero-copy view of the first ``nbytes`` (default: all) of ``slot``."""
+        length = slot.nbytes if nbytes is None else nbytes
+        return self._buffer[slot.offset : slot.offset + length]
+
+    def write(self, slot: Slot, src: torch.Tensor, meta: BlockMeta) -> None:
+        self._buffer[slot.offset : slot.offset + meta.nbytes].copy_(_checked_bytes(src, meta))
+
+    def read(self, slot: Slot, dst: torch.Tensor, meta: BlockMeta) -> None:
+        _checked_bytes(dst, meta).copy_(self._buffer[slot.offset : slot.offset + meta.nbytes])
+
+
+class VirtualTier(_SlabTier):
+    """Slots without bytes: the routing simulator models tiers of hundreds of GB with the
+    production allocator, eviction and tier manager, but stores nothing."""
+
+    holds_bytes = False
+
+    def write(self, slot: Slot, src: torch.Tensor, meta: BlockMeta) -> None:
+        pass
+
+    def read(self, slot: Slot, dst: torch.Tensor, meta: BlockMeta) -> None:
+        raise TierUnavailable("a virtual tier holds no bytes; it exists for capacity simulation only.")
+
+
+def _checked_bytes(tensor: torch.Tensor, meta: BlockMeta) -> torch.Tensor:
+    data = byte_view(tensor)
+    if data.numel() != meta.nbytes:
+        raise BlockSizeMismatch(f"the block needs {meta.nbytes} bytes but the tensor given holds {data.numel()}.")
+    return data

@@ -31,8 +31,12 @@ class RemovalReason(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
+    """Consecutive blocks of one chain became resident: ``block_hashes[0]``'s parent is
+    ``parent_hash`` (None for a chain's first block), each next block's parent is the one
+    before it — the shape of vLLM's own ``BlockStored`` event."""
+
     namespace: bytes
-    block_hash: BlockHash
+    block_hashes: tuple[BlockHash, ...]
     parent_hash: BlockHash | None
     tier: TierKind
     nbytes: int
@@ -41,7 +45,7 @@ class BlockStored:
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     namespace: bytes
-    block_hash: BlockHash
+    block_hashes: tuple[BlockHash, ...]
     tier: TierKind
     reason: RemovalReason
 
@@ -49,7 +53,7 @@ class BlockRemoved:
 @dataclass(frozen=True, slots=True)
 class BlockMoved:
     namespace: bytes
-    block_hash: BlockHash
+    block_hashes: tuple[BlockHash, ...]
     src: TierKind
     dst: TierKind
 

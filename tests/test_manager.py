@@ -68,8 +68,8 @@ def test_put_lookup_get_round_trip():
     assert manager.get(NS, hashes[2], out)
     assert torch.equal(out, data[2])
     stored = [e for e in manager.events.drain() if isinstance(e, BlockStored)]
-    assert [e.block_hash for e in stored] == hashes
-    assert stored[1].parent_hash == hashes[0] and stored[0].parent_hash is None
+    assert len(stored) == 1  # one chain segment, one event, as vLLM batches them
+    assert stored[0].block_hashes == tuple(hashes) and stored[0].parent_hash is None
 
 
 def test_lookup_stops_at_the_first_gap():
@@ -105,7 +105,7 @@ def test_full_tier_evicts_leaf_first_lru_and_emits_removals():
     manager.put(NS, b, blocks_for(2, 1))
     manager.events.drain()
     manager.put(NS, chain(3, 2), blocks_for(3, 2))  # needs two slots
-    removed = [e.block_hash for e in manager.events.drain() if isinstance(e, BlockRemoved)]
+    removed = [h for e in manager.events.drain() if isinstance(e, BlockRemoved) for h in e.block_hashes]
     # a's leaf goes first (least recently used leaf), then its parent, never a[0] before them
     assert removed == [a[2], a[1]]
     assert manager.lookup(NS, a) == [TierKind.HOST]
@@ -175,7 +175,7 @@ def test_demotion_under_pressure_and_promotion_on_hit():
     # 4/4 > 0.75: demoted down to 2/4, leaves first
     assert manager.lookup(NS, hashes) == [TierKind.HOST, TierKind.HOST, TierKind.NVME, TierKind.NVME]
     moved = [e for e in manager.events.drain() if isinstance(e, BlockMoved)]
-    assert {e.block_hash for e in moved} == set(hashes[2:])
+    assert {h for e in moved for h in e.block_hashes} == set(hashes[2:])
     lease = manager.acquire(NS, hashes)
     assert len(lease.blocks) == 4
     views = manager.lease_views(lease)
@@ -228,3 +228,13 @@ def test_virtual_tiers_account_capacity_without_bytes():
     tiers_now = [TierKind(t) for t in manager.lookup(NS, chain(3, 2))]
     assert len(tiers_now) == 2
     assert sum(s.num_blocks for s in manager.tier_stats()) == 6
+
+
+def test_persist_moves_memory_blocks_into_the_lowest_tier():
+    manager = make_manager(host_blocks=4, lower_blocks=8, high_watermark=1.0)
+    hashes, data = chain(1, 3), blocks_for(1, 3)
+    manager.put(NS, hashes, data)
+    assert manager.persist() == 3
+    assert manager.lookup(NS, hashes) == [TierKind.NVME] * 3
+    out = torch.empty(BLOCK, dtype=torch.uint8)
+    assert manager.get(NS, hashes[1], out) and torch.equal(out, data[1])

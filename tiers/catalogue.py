@@ -64,10 +64,14 @@ class BlockEntry:
     @property
     def is_tier_leaf(self) -> bool:
         """No cached child lives in this block's tier or a faster one."""
-        if not self.children:
+        children = self.children
+        if not children:
             return True
-        rank = self.tier.rank
-        return all(child.moving or child.tier.rank > rank for child in self.children)
+        tier = self.tier
+        if len(children) == 1:
+            (child,) = children
+            return child.moving or (child.tier is not tier and child.tier.rank > tier.rank)
+        return all(child.moving or (child.tier is not tier and child.tier.rank > tier.rank) for child in children)
 
     @property
     def evictable(self) -> bool:
@@ -84,6 +88,8 @@ class Catalogue:
         self._on_reclassify = on_reclassify
         self._entries: dict[BlockKey, BlockEntry] = {}
         self._waiting: dict[BlockKey, set[BlockEntry]] = {}
+        # the dict's own lookup: the hot paths (lookup, reserve) call it once per block
+        self.get: Callable[[BlockKey], BlockEntry | None] = self._entries.get
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -92,10 +98,8 @@ class Catalogue:
         return key in self._entries
 
     def __iter__(self) -> Iterator[BlockEntry]:
+        """A snapshot, so callers may insert and remove while iterating."""
         return iter(list(self._entries.values()))
-
-    def get(self, key: BlockKey) -> BlockEntry | None:
-        return self._entries.get(key)
 
     def insert(self, entry: BlockEntry) -> None:
         assert entry.key not in self._entries, "a block is inserted once; callers check first"

@@ -80,7 +80,9 @@ class TierManagerConfig:
             raise InvalidArgument(f"reservation_ttl_s must be positive, got {self.reservation_ttl_s}.")
 
 
-@dataclass(frozen=True, slots=True)
+# Per-block records are plain slotted dataclasses (not frozen): one is made per block on
+# the save and load paths, and a frozen dataclass's __init__ costs twice as much.
+@dataclass(slots=True)
 class ReservedBlock:
     block_hash: BlockHash
     parent_hash: BlockHash | None
@@ -98,7 +100,7 @@ class Reservation:
     deadline: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LeasedBlock:
     block_hash: BlockHash
     slot: Slot
@@ -234,12 +236,14 @@ class TierManager:
             self._hold(entry)
         reserved: list[ReservedBlock] = []
         num_cached = 0
+        get = self.catalogue.get
+        allocate = self._tiers[kind].allocate
         try:
             for index, key in enumerate(keys):
-                if key in self.catalogue or key in self._pending:
+                if get(key) is not None or key in self._pending:
                     num_cached += 1
                     continue
-                slot = self._allocate(kind, nbytes)
+                slot = allocate(nbytes) or self._allocate(kind, nbytes)
                 if slot is None:
                     break
                 reserved.append(ReservedBlock(key[1], hashes[index - 1] if index else parent_hash, slot))
@@ -265,15 +269,24 @@ class TierManager:
             self._release_slots(reservation, reservation.blocks)
             raise InvalidArgument(f"num_written must lie in [0, {len(reservation.blocks)}], got {num_written}.")
         now = self._clock()
-        policy = self._policies[reservation.tier]
+        namespace, kind = reservation.namespace, reservation.tier
+        policy = self._policies[kind]
+        segment: list[BlockHash] = []
+        segment_parent: BlockHash | None = None
         for block in reservation.blocks[:count]:
-            key = (reservation.namespace, block.block_hash)
+            key = (namespace, block.block_hash)
             del self._pending[key]
-            parent_key = None if block.parent_hash is None else (reservation.namespace, block.parent_hash)
-            entry = BlockEntry(key, parent_key, reservation.tier, block.slot, reservation.nbytes, now)
+            parent_key = None if block.parent_hash is None else (namespace, block.parent_hash)
+            entry = BlockEntry(key, parent_key, kind, block.slot, reservation.nbytes, now)
             self.catalogue.insert(entry)
             policy.insert(entry)
-            self.events.append(BlockStored(reservation.namespace, block.block_hash, block.parent_hash, reservation.tier, reservation.nbytes))
+            if not segment or block.parent_hash != segment[-1]:
+                if segment:
+                    self.events.append(BlockStored(namespace, tuple(segment), segment_parent, kind, reservation.nbytes))
+                segment, segment_parent = [], block.parent_hash
+            segment.append(block.block_hash)
+        if segment:
+            self.events.append(BlockStored(namespace, tuple(segment), segment_parent, kind, reservation.nbytes))
         self._release_slots(reservation, reservation.blocks[count:])
         self.counters["blocks_stored"] += count
         if self.config.demote_on_commit:
@@ -313,15 +326,20 @@ class TierManager:
         for block_hash, view in data.items():
             if view.numel() != nbytes:
                 raise BlockSizeMismatch(f"block {block_hash.hex()} has {view.numel()} bytes; its namespace's blocks have {nbytes}.")
-        reservation = self.reserve(namespace, hashes, parent_hash)
-        tier = self._tiers[reservation.tier]
-        try:
-            for block in reservation.blocks:
-                tier.write(block.slot, data[block.block_hash], BlockMeta(namespace, block.block_hash, block.parent_hash, nbytes))
-        except BaseException:
-            self.abort(reservation.id)
-            raise
-        return self.commit(reservation.id)
+        # in chunks that leave the tier room to demote while the chain is written
+        chunk = max(1, self._capacity_in_blocks(self._usable_kind(None), nbytes) // 4)
+        stored = 0
+        for start in range(0, len(hashes), chunk):
+            reservation = self.reserve(namespace, hashes[start : start + chunk], hashes[start - 1] if start else parent_hash)
+            tier = self._tiers[reservation.tier]
+            try:
+                for block in reservation.blocks:
+                    tier.write(block.slot, data[block.block_hash], BlockMeta(namespace, block.block_hash, block.parent_hash, nbytes))
+            except BaseException:
+                self.abort(reservation.id)
+                raise
+            stored += self.commit(reservation.id)
+        return stored
 
     # -- read path --------------------------------------------------------------------
     def acquire(self, namespace: bytes, hashes: Iterable[BlockHash], tier: TierKind | None = None) -> ReadLease:
@@ -329,10 +347,13 @@ class TierManager:
         the top tier). Blocks that cannot be moved or fail verification end the prefix."""
         nbytes = self.block_bytes(namespace)
         kind = self._usable_kind(tier)
+        # never hold more than the tier can take at once: held blocks deeper in the chain
+        # would occupy the room that the prefix needs (they stay evictable instead)
+        limit = self._capacity_in_blocks(kind, nbytes)
         hits: list[BlockEntry] = []
         for block_hash in hashes:
             entry = self.catalogue.get((namespace, block_hash))
-            if entry is None:
+            if entry is None or len(hits) == limit:
                 break
             hits.append(entry)
             self._hold(entry)
@@ -457,6 +478,26 @@ class TierManager:
             moved += len(done)
         return moved
 
+    def persist(self, batch: int = 256) -> int:
+        """Move every block of the tiers above the lowest one into it, as far as it has room
+        (before a planned restart: only the lowest, persistent tier survives one). Returns
+        the number of blocks moved."""
+        usable = self.tier_kinds
+        if len(usable) < 2:
+            return 0
+        lowest = usable[-1]
+        moved = 0
+        for kind in usable[:-1]:
+            entries = [e for e in self.catalogue if e.tier == kind and e.evictable]
+            for start in range(0, len(entries), batch):
+                chunk = entries[start : start + batch]
+                for entry in chunk:
+                    self._hold(entry)
+                moved += len(self._move_many(chunk, lowest))
+                for entry in chunk:
+                    self._unhold(entry)
+        return moved
+
     # -- inspection -------------------------------------------------------------------
     def tier(self, kind: TierKind) -> Tier:
         return self._tiers[kind]
@@ -502,6 +543,12 @@ class TierManager:
         if tier in self._failed:
             raise TierUnavailable(f"the {tier.value} tier has failed and is not used until the daemon restarts.")
         return tier
+
+    def _capacity_in_blocks(self, kind: TierKind, nbytes: int) -> int:
+        tier = self._tiers[kind]
+        slab = getattr(tier, "slab", None)
+        slot_bytes = slab.slot_bytes_for(nbytes) if slab is not None else nbytes
+        return max(1, tier.stats().capacity_bytes // slot_bytes)
 
     def _next_usable(self, index: int) -> TierKind | None:
         for kind in self._order[index + 1 :]:
@@ -581,7 +628,7 @@ class TierManager:
             self._policies[entry.tier].remove(entry)
         self.catalogue.remove(entry)
         self._free_quietly(entry.tier, entry.slot)
-        self.events.append(BlockRemoved(entry.key[0], entry.key[1], entry.tier, reason))
+        self.events.append(BlockRemoved(entry.key[0], (entry.key[1],), entry.tier, reason))
         self.counters[f"evicted_{reason.value}"] += 1
 
     def _free_quietly(self, kind: TierKind, slot: Slot) -> None:
@@ -607,13 +654,14 @@ class TierManager:
             future = self._transfer(entry.tier, entry.slot, dst, slot, meta)
             moves.append(_Move(entry, entry.tier, entry.slot, slot, future))
         arrived: set[BlockEntry] = set()
+        moved_hashes: dict[tuple[bytes, TierKind], list[BlockHash]] = {}
         for move in moves:
             error = move.future.exception()
             if error is None:
                 self._free_quietly(move.src, move.src_slot)
                 move.entry.tier, move.entry.slot = dst, move.dst_slot
                 arrived.add(move.entry)
-                self.events.append(BlockMoved(move.entry.key[0], move.entry.key[1], move.src, dst))
+                moved_hashes.setdefault((move.entry.key[0], move.src), []).append(move.entry.key[1])
                 direction = "promoted" if dst.rank < move.src.rank else "demoted"
                 self.counters[f"{direction}_{move.src.value}_to_{dst.value}"] += 1
                 continue
@@ -625,6 +673,8 @@ class TierManager:
                 self._fail_tier(dst)
             else:
                 raise error
+        for (namespace, src), hashes in moved_hashes.items():
+            self.events.append(BlockMoved(namespace, tuple(hashes), src, dst))
         for entry in entries:
             self._set_moving(entry, False)
         return arrived
@@ -670,5 +720,5 @@ class TierManager:
             entry = BlockEntry(key, parent_key, tier.kind, slot, meta.nbytes, now)
             self.catalogue.insert(entry)
             policy.insert(entry)
-            self.events.append(BlockStored(meta.namespace, meta.block_hash, meta.parent_hash, tier.kind, meta.nbytes))
+            self.events.append(BlockStored(meta.namespace, (meta.block_hash,), meta.parent_hash, tier.kind, meta.nbytes))
             self.counters["blocks_recovered"] += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvstore.errors import BlockSizeMismatch, TierUnavailable
-from kvstore.tiers.base import BlockMeta, Tier, TierKind, TierStats, byte_view
+from kvstore.tiers.base import BlockMeta, Tier, TierKind, TierStats, byte_view, copy_bytes
 from kvstore.tiers.slab import SlabAllocator, Slot
 
 __all__ = ["MemoryTier", "VirtualTier", "DEFAULT_PAGE_BYTES"]
@@ -21,24 +21,19 @@ class _SlabTier(Tier):
     def __init__(self, kind: TierKind, capacity_bytes: int, page_bytes: int) -> None:
         self.kind = kind
         self._slab = SlabAllocator(capacity_bytes, page_bytes)
-        self._num_blocks = 0
 
     @property
     def slab(self) -> SlabAllocator:
         return self._slab
 
     def allocate(self, nbytes: int) -> Slot | None:
-        slot = self._slab.allocate(nbytes)
-        if slot is not None:
-            self._num_blocks += 1
-        return slot
+        return self._slab.allocate(nbytes)
 
     def free(self, slot: Slot) -> None:
         self._slab.free(slot)
-        self._num_blocks -= 1
 
     def stats(self) -> TierStats:
-        return TierStats(self.kind, self._slab.capacity_bytes, self._slab.used_bytes, self._num_blocks)
+        return TierStats(self.kind, self._slab.capacity_bytes, self._slab.used_bytes, self._slab.num_used_slots)
 
 
 class MemoryTier(_SlabTier):
@@ -58,10 +53,10 @@ class MemoryTier(_SlabTier):
         return self._buffer[slot.offset : slot.offset + length]
 
     def write(self, slot: Slot, src: torch.Tensor, meta: BlockMeta) -> None:
-        self._buffer[slot.offset : slot.offset + meta.nbytes].copy_(_checked_bytes(src, meta))
+        copy_bytes(self.view(slot, meta.nbytes), _checked_bytes(src, meta))
 
     def read(self, slot: Slot, dst: torch.Tensor, meta: BlockMeta) -> None:
-        _checked_bytes(dst, meta).copy_(self._buffer[slot.offset : slot.offset + meta.nbytes])
+        copy_bytes(_checked_bytes(dst, meta), self.view(slot, meta.nbytes))
 
 
 class VirtualTier(_SlabTier):

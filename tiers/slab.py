@@ -68,10 +68,14 @@ class SlabAllocator:
         self._free_pages: list[int] = list(range(self.num_pages - 1, -1, -1))
         self._pages: dict[int, _Page] = {}
         self._classes: dict[int, _SizeClass] = {}
+        self._slot_bytes: dict[int, int] = {}  # block size -> slot size, as the hot path asks often
         self.used_bytes = 0
 
     # -- sizing ---------------------------------------------------------------------
     def slot_bytes_for(self, nbytes: int) -> int:
+        cached = self._slot_bytes.get(nbytes)
+        if cached is not None:
+            return cached
         if nbytes <= 0:
             raise InvalidArgument(f"a block must have at least one byte, got {nbytes}.")
         slot_bytes = round_up(nbytes, self.alignment)
@@ -80,11 +84,16 @@ class SlabAllocator:
                 f"a block of {nbytes} bytes does not fit in this tier's {self.page_bytes}-byte pages; "
                 "raise page_bytes in the tier configuration."
             )
+        self._slot_bytes[nbytes] = slot_bytes
         return slot_bytes
 
     def can_allocate(self, nbytes: int) -> bool:
         size_class = self._classes.get(self.slot_bytes_for(nbytes))
         return bool(self._free_pages) or (size_class is not None and bool(size_class.pages_with_room))
+
+    @property
+    def num_used_slots(self) -> int:
+        return sum(c.num_used for c in self._classes.values())
 
     @property
     def free_bytes(self) -> int:

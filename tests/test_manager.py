@@ -68,8 +68,10 @@ def test_put_lookup_get_round_trip():
     assert manager.get(NS, hashes[2], out)
     assert torch.equal(out, data[2])
     stored = [e for e in manager.events.drain() if isinstance(e, BlockStored)]
-    assert len(stored) == 1  # one chain segment, one event, as vLLM batches them
-    assert stored[0].block_hashes == tuple(hashes) and stored[0].parent_hash is None
+    # put writes in chunks of a quarter of the tier (2 blocks here); each commit's chain
+    # segment is one event, as vLLM batches them
+    assert [e.block_hashes for e in stored] == [tuple(hashes[:2]), tuple(hashes[2:])]
+    assert stored[0].parent_hash is None and stored[1].parent_hash == hashes[1]
 
 
 def test_lookup_stops_at_the_first_gap():

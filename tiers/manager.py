@@ -394,8 +394,8 @@ class TierManager:
         try:
             if not lease.blocks:
                 return False
-            meta = BlockMeta(namespace, block_hash, None, lease.nbytes)
-            self._tiers[lease.tier].read(lease.blocks[0].slot, byte_view(out), meta)
+            entry = self._leases[lease.id][1][0]
+            self._tiers[lease.tier].read(lease.blocks[0].slot, byte_view(out), self._meta(entry))
             return True
         finally:
             self.release(lease.id)
@@ -650,8 +650,7 @@ class TierManager:
             slot = self._allocate(dst, entry.nbytes)
             if slot is None:
                 break
-            meta = BlockMeta(entry.key[0], entry.key[1], None if entry.parent_key is None else entry.parent_key[1], entry.nbytes)
-            future = self._transfer(entry.tier, entry.slot, dst, slot, meta)
+            future = self._transfer(entry.tier, entry.slot, dst, slot, self._meta(entry))
             moves.append(_Move(entry, entry.tier, entry.slot, slot, future))
         arrived: set[BlockEntry] = set()
         moved_hashes: dict[tuple[bytes, TierKind], list[BlockHash]] = {}
@@ -678,6 +677,11 @@ class TierManager:
         for entry in entries:
             self._set_moving(entry, False)
         return arrived
+
+    @staticmethod
+    def _meta(entry: BlockEntry) -> BlockMeta:
+        parent = None if entry.parent_key is None else entry.parent_key[1]
+        return BlockMeta(entry.key[0], entry.key[1], parent, entry.nbytes)
 
     def _set_moving(self, entry: BlockEntry, moving: bool) -> None:
         entry.moving = moving

@@ -1,0 +1,91 @@
+"""The benchmark contract (see DESIGN.md): ``--quick``, ``--json``, ratios against a
+baseline measured in the same run, and the targets each ratio must meet.
+
+Human-readable tables go to stdout; with ``--json`` the last line of stdout is one JSON
+object ``{"bench", "ratios", "targets", "results"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import operator
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["Report", "parse_args", "best_of", "gbps"]
+
+_OPERATORS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
+
+
+def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="a reduced run that finishes in under a minute")
+    parser.add_argument("--json", action="store_true", help="end stdout with one JSON line of ratios and targets")
+    if extra is not None:
+        extra(parser)
+    return parser.parse_args()
+
+
+def best_of(repeats: int, run: Callable[[], float]) -> float:
+    """The fastest of ``repeats`` timings (seconds): the least disturbed by the rest of the machine."""
+    return min(run() for _ in range(repeats))
+
+
+def median_of(repeats: int, run: Callable[[], float]) -> float:
+    return statistics.median(run() for _ in range(repeats))
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def timed(work: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+@dataclass
+class Report:
+    bench: str
+    ratios: dict[str, float] = field(default_factory=dict)
+    targets: dict[str, str] = field(default_factory=dict)
+    results: list[dict[str, Any]] = field(default_factory=list)
+
+    def ratio(self, name: str, value: float, target: str | None = None) -> None:
+        self.ratios[name] = round(value, 4)
+        if target is not None:
+            self.targets[name] = target
+
+    def met(self, name: str) -> bool | None:
+        target = self.targets.get(name)
+        if target is None:
+            return None
+        op, threshold = target.split()
+        return _OPERATORS[op](self.ratios[name], float(threshold))
+
+    def print_table(self, title: str, columns: list[str], rows: list[list[Any]]) -> None:
+        cells = [[_cell(v) for v in row] for row in rows]
+        widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+        print(f"\n{title}")
+        print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+        for row in cells:
+            print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+    def print_targets(self) -> None:
+        rows = [[name, self.ratios[name], target, "yes" if self.met(name) else "NO"] for name, target in self.targets.items()]
+        self.print_table("targets", ["measure", "ratio", "target", "met"], rows)
+
+    def emit(self, as_json: bool) -> None:
+        self.print_targets()
+        if as_json:
+            print(json.dumps({"bench": self.bench, "ratios": self.ratios, "targets": self.targets, "results": self.results}))
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)

@@ -203,10 +203,9 @@ class TierManager:
     def lookup(self, namespace: bytes, hashes: Iterable[BlockHash]) -> list[TierKind]:
         """The tier of each block of the longest cached prefix of ``hashes``."""
         self.block_bytes(namespace)
-        entries = self.catalogue
         found: list[TierKind] = []
-        for block_hash in hashes:
-            entry = entries.get((namespace, block_hash))
+        # keys are built and looked up in C (zip/map): this is the hot path of every request
+        for entry in map(self.catalogue.get, zip(itertools.repeat(namespace), hashes)):
             if entry is None:
                 break
             found.append(entry.tier)
@@ -309,6 +308,13 @@ class TierManager:
                 self._expired.popitem(last=False)
         self.counters["reservations_expired"] += len(expired)
         return len(expired)
+
+    def reservation(self, reservation_id: int) -> Reservation:
+        """An open reservation (NotFound / ReservationExpired otherwise)."""
+        reservation = self._reservations.get(reservation_id)
+        if reservation is None:
+            self._take_reservation(reservation_id)  # raises the precise error
+        return reservation
 
     def reservation_slots(self, reservation: Reservation) -> list[torch.Tensor]:
         """Writable views of a reservation's slots (memory tiers only)."""

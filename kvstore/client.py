@@ -1,0 +1,269 @@
+"""The engine-side client: what a connector uses inside an engine process.
+
+It connects to the local daemon over its Unix socket and maps the daemon's host slab
+(shared memory) once; afterwards block bytes move with one memcpy each way and only slot
+offsets cross the socket:
+
+- ``lookup(namespace, hashes)`` → the tier of each block of the longest cached prefix;
+- ``save(namespace, hashes, blocks)``: reserve slots → copy into the mapped slab → commit;
+- ``load(namespace, hashes, into)``: lease the prefix (the daemon first promotes NVMe
+  blocks into the slab) → copy out → release.
+
+Each call is one control round trip for any number of blocks (a save is reserve +
+commit; a load is acquire + a release that is not waited for), repeated only when a
+prefix is larger than the host tier can lease at once. ``KVStoreClient`` is blocking
+(engine worker threads); ``AsyncKVStoreClient`` has the same calls as coroutines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import msgpack
+import torch
+
+from kvstore.config import default_socket_path
+from kvstore.errors import InvalidArgument, TierUnavailable
+from kvstore.hashing import BlockHash
+from kvstore.localproto import (
+    HEADER,
+    PROTOCOL_VERSION,
+    TIERS_BY_CODE,
+    Op,
+    encode_frame,
+    namespace_to_wire,
+    pack_hashes,
+    raise_remote_error,
+)
+from kvstore.namespace import Namespace
+from kvstore.tiers.base import TierKind, byte_view, copy_bytes
+from kvstore.tiers.host import SharedSlab
+from kvstore.tiers.slab import Slot
+
+__all__ = ["KVStoreClient", "AsyncKVStoreClient", "LookupResult"]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    tiers: tuple[TierKind, ...]  # tier of each block of the longest cached prefix
+    block_size: int  # tokens per block
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.tiers)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tiers) * self.block_size
+
+
+class _Codec:
+    """What both clients share: request bodies, reply decoding, slab copies."""
+
+    def __init__(self) -> None:
+        self.slab: SharedSlab | None = None
+        self.node_id = ""
+        self.block_bytes: dict[bytes, int] = {}
+        self.block_size: dict[bytes, int] = {}
+
+    def on_hello(self, result: list) -> None:
+        slab_path, self.node_id, _version = result
+        self.slab = SharedSlab.attach(slab_path)
+
+    def on_register(self, namespace: Namespace, result: list) -> bytes:
+        digest, block_bytes = result
+        if digest != namespace.digest or block_bytes != namespace.block_bytes:
+            raise InvalidArgument("the daemon derived a different namespace digest; client and daemon versions disagree.")
+        self.block_bytes[digest] = block_bytes
+        self.block_size[digest] = namespace.block_size
+        return digest
+
+    def nbytes(self, digest: bytes) -> int:
+        try:
+            return self.block_bytes[digest]
+        except KeyError:
+            raise InvalidArgument(f"namespace {digest.hex()} was not registered through this client; call register_namespace first.") from None
+
+    def checked_blocks(self, digest: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if len(blocks) != len(hashes):
+            raise InvalidArgument(f"{len(hashes)} hashes were given with {len(blocks)} block tensors.")
+        nbytes = self.nbytes(digest)
+        views = [byte_view(b) for b in blocks]
+        for index, view in enumerate(views):
+            if view.numel() != nbytes:
+                raise InvalidArgument(f"block tensor #{index} holds {view.numel()} bytes; this namespace's blocks have {nbytes}.")
+        return views
+
+    def copy_in(self, digest: bytes, placements: list, views: list[torch.Tensor]) -> None:
+        nbytes = self.block_bytes[digest]
+        for index, offset in placements:
+            copy_bytes(self.slab.view(Slot(offset, nbytes), nbytes), views[index])
+
+    def copy_out(self, digest: bytes, offsets: list[int], views: list[torch.Tensor]) -> None:
+        nbytes = self.block_bytes[digest]
+        for offset, view in zip(offsets, views):
+            copy_bytes(view, self.slab.view(Slot(offset, nbytes), nbytes))
+
+    @staticmethod
+    def result(reply: list):
+        if reply[0] != 0:
+            raise_remote_error(reply[1], reply[2])
+        return reply[1]
+
+    def close(self) -> None:
+        if self.slab is not None:
+            self.slab.close()
+            self.slab = None
+
+
+class KVStoreClient:
+    def __init__(self, socket_path: Path | str | None = None, timeout_s: float = 30.0) -> None:
+        path = str(socket_path or default_socket_path())
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout_s)
+        try:
+            self._sock.connect(path)
+        except OSError as exc:
+            self._sock.close()
+            raise TierUnavailable(f"cannot reach the kvstore daemon at {path} ({exc.strerror or exc}); is `kvstore serve` running?") from exc
+        self._codec = _Codec()
+        self._codec.on_hello(self._call(Op.HELLO, PROTOCOL_VERSION))
+
+    @property
+    def node_id(self) -> str:
+        return self._codec.node_id
+
+    def register_namespace(self, namespace: Namespace) -> bytes:
+        return self._codec.on_register(namespace, self._call(Op.REGISTER, namespace_to_wire(namespace)))
+
+    def lookup(self, namespace: bytes, hashes: Sequence[BlockHash]) -> LookupResult:
+        codes = self._call(Op.LOOKUP, namespace, pack_hashes(hashes))
+        return LookupResult(tuple(map(TIERS_BY_CODE.__getitem__, codes)), self._codec.block_size.get(namespace, 0))
+
+    def save(self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor], parent_hash: BlockHash | None = None) -> int:
+        """Store the blocks not cached yet; returns how many were stored."""
+        views = self._codec.checked_blocks(namespace, hashes, blocks)
+        reservation_id, placements = self._call(Op.RESERVE, namespace, pack_hashes(hashes), parent_hash)
+        try:
+            self._codec.copy_in(namespace, placements, views)
+        except BaseException:
+            self._call(Op.ABORT, reservation_id)
+            raise
+        return self._call(Op.COMMIT, reservation_id, None)
+
+    def load(self, namespace: bytes, hashes: Sequence[BlockHash], into: Sequence[torch.Tensor]) -> int:
+        """Copy the longest cached prefix of ``hashes`` into ``into``; returns its length."""
+        views = self._codec.checked_blocks(namespace, hashes, into)
+        done = 0
+        while done < len(hashes):
+            lease_id, offsets = self._call(Op.ACQUIRE, namespace, pack_hashes(hashes[done:]))
+            try:
+                self._codec.copy_out(namespace, offsets, views[done:])
+            finally:
+                self._send(Op.RELEASE | Op.NO_REPLY, lease_id)
+            if not offsets:
+                break
+            done += len(offsets)
+        return done
+
+    def close(self) -> None:
+        self._codec.close()
+        self._sock.close()
+
+    def __enter__(self) -> "KVStoreClient":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _send(self, *body) -> None:
+        self._sock.sendall(encode_frame(list(body)))
+
+    def _call(self, *body):
+        self._send(*body)
+        (length,) = HEADER.unpack(self._recv_exactly(4))
+        return _Codec.result(msgpack.unpackb(self._recv_exactly(length), raw=False))
+
+    def _recv_exactly(self, count: int) -> bytes:
+        chunks, remaining = [], count
+        while remaining:
+            chunk = self._sock.recv(remaining)
+            if not chunk:
+                raise TierUnavailable("the kvstore daemon closed the connection; it may be restarting.")
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(chunks)
+
+
+class AsyncKVStoreClient:
+    """The same calls as coroutines, for engines that run an event loop."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader, self._writer = reader, writer
+        self._codec = _Codec()
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def connect(cls, socket_path: Path | str | None = None) -> "AsyncKVStoreClient":
+        path = str(socket_path or default_socket_path())
+        try:
+            reader, writer = await asyncio.open_unix_connection(path)
+        except OSError as exc:
+            raise TierUnavailable(f"cannot reach the kvstore daemon at {path} ({exc.strerror or exc}); is `kvstore serve` running?") from exc
+        client = cls(reader, writer)
+        client._codec.on_hello(await client._call(Op.HELLO, PROTOCOL_VERSION))
+        return client
+
+    async def register_namespace(self, namespace: Namespace) -> bytes:
+        return self._codec.on_register(namespace, await self._call(Op.REGISTER, namespace_to_wire(namespace)))
+
+    async def lookup(self, namespace: bytes, hashes: Sequence[BlockHash]) -> LookupResult:
+        codes = await self._call(Op.LOOKUP, namespace, pack_hashes(hashes))
+        return LookupResult(tuple(map(TIERS_BY_CODE.__getitem__, codes)), self._codec.block_size.get(namespace, 0))
+
+    async def save(self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor], parent_hash: BlockHash | None = None) -> int:
+        views = self._codec.checked_blocks(namespace, hashes, blocks)
+        reservation_id, placements = await self._call(Op.RESERVE, namespace, pack_hashes(hashes), parent_hash)
+        try:
+            self._codec.copy_in(namespace, placements, views)
+        except BaseException:
+            await self._call(Op.ABORT, reservation_id)
+            raise
+        return await self._call(Op.COMMIT, reservation_id, None)
+
+    async def load(self, namespace: bytes, hashes: Sequence[BlockHash], into: Sequence[torch.Tensor]) -> int:
+        views = self._codec.checked_blocks(namespace, hashes, into)
+        done = 0
+        while done < len(hashes):
+            lease_id, offsets = await self._call(Op.ACQUIRE, namespace, pack_hashes(hashes[done:]))
+            try:
+                self._codec.copy_out(namespace, offsets, views[done:])
+            finally:
+                async with self._lock:
+                    self._writer.write(encode_frame([Op.RELEASE | Op.NO_REPLY, lease_id]))
+            if not offsets:
+                break
+            done += len(offsets)
+        return done
+
+    async def close(self) -> None:
+        self._codec.close()
+        self._writer.close()
+        try:
+            await self._writer.wait_closed()
+        except OSError:
+            pass
+
+    async def _call(self, *body):
+        async with self._lock:  # one request in flight per connection: replies come in order
+            self._writer.write(encode_frame(list(body)))
+            try:
+                (length,) = HEADER.unpack(await self._reader.readexactly(4))
+                payload = await self._reader.readexactly(length)
+            except asyncio.IncompleteReadError as exc:
+                raise TierUnavailable("the kvstore daemon closed the connection; it may be restarting.") from exc
+        return _Codec.result(msgpack.unpackb(payload, raw=False))

@@ -1,0 +1,268 @@
+"""The daemon's configuration: one typed object, validated once.
+
+Sources, later ones winning: embedded defaults (sized from this machine's free memory and
+disk) ← a TOML file ← ``KVSTORE_<SECTION>_<FIELD>`` environment variables ← command-line
+``--set section.field=value`` (and the CLI's named flags). Sections: ``server``, ``host``,
+``nvme``, ``manager``. Sizes accept ``"8GiB"``-style strings. Every error names the field::
+
+    [server]
+    socket_path = "/run/kvstore/kvstore.sock"
+    grpc_port = 50551
+    auth_token = "…"           # or KVSTORE_SERVER_AUTH_TOKEN
+
+    [host]
+    capacity_bytes = "16GiB"
+
+    [nvme]
+    directory = "/mnt/nvme0/kvstore"
+    capacity_bytes = "1TiB"
+
+    [manager]
+    eviction_policy = "leaf-first-lru"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvstore.errors import InvalidArgument
+from kvstore.tiers.host import HostTierConfig
+from kvstore.tiers.manager import TierManagerConfig
+from kvstore.tiers.nvme import NvmeTierConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["ConfigError", "ServerConfig", "DaemonConfig", "load_config", "parse_size", "default_socket_path"]
+
+GiB = 1024**3
+MiB = 1024**2
+_PAGE = 64 * MiB
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+class ConfigError(InvalidArgument):
+    """A configuration value is missing, malformed or out of range; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    socket_path: Path = field(default_factory=lambda: default_socket_path())
+    socket_mode: int = 0o600
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = 50551  # 0 picks a free port (written to the state file)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9551  # 0 picks a free port, -1 disables the endpoint
+    auth_token: str = ""
+    node_id: str = field(default_factory=socket.gethostname)
+    drain_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.socket_mode not in (0o600, 0o660):
+            raise ConfigError(f"server.socket_mode must be 0o600 or 0o660, got {oct(self.socket_mode)}.")
+        if not 0 <= self.grpc_port <= 65535:
+            raise ConfigError(f"server.grpc_port must lie in [0, 65535], got {self.grpc_port}.")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"server.metrics_port must lie in [-1, 65535], got {self.metrics_port}.")
+        if not self.node_id:
+            raise ConfigError("server.node_id must not be empty.")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"server.drain_timeout_s must not be negative, got {self.drain_timeout_s}.")
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.grpc_host}:{self.grpc_port}"
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    server: ServerConfig
+    host: HostTierConfig
+    nvme: NvmeTierConfig | None  # None: memory only
+    manager: TierManagerConfig
+
+
+def default_socket_path() -> Path:
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvstore-{os.getuid()}"
+    return Path(runtime) / "kvstore.sock"
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvstore"
+
+
+def parse_size(value: Any, name: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a size in bytes, got {value!r}.")
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ConfigError(f"{name} must be a size such as 8589934592 or \"8GiB\", got {value!r}.")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "").lower()])
+
+
+def _default_host_capacity(shm_dir: Path) -> int:
+    """A quarter of available memory, never more than 80% of the shared-memory filesystem."""
+    available = 4 * GiB
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        shm_free = shutil.disk_usage(shm_dir).free
+    except OSError:
+        shm_free = available
+    return max(_PAGE, min(available // 4, shm_free * 4 // 5) // _PAGE * _PAGE)
+
+
+def _default_nvme_capacity(directory: Path) -> int:
+    """Half of the free disk under the cache directory, at most 1 TiB."""
+    probe = directory
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    return max(_PAGE, min(free // 2, 1024 * GiB) // _PAGE * _PAGE)
+
+
+_SECTIONS = {"server": ServerConfig, "host": HostTierConfig, "nvme": NvmeTierConfig, "manager": TierManagerConfig}
+_EXTRA_NVME_KEYS = {"enabled"}
+
+
+def _fields(section: str) -> dict[str, dataclasses.Field]:
+    fields = {f.name: f for f in dataclasses.fields(_SECTIONS[section])}
+    if section == "host":
+        fields.pop("reclaim_stale")  # the daemon decides: it reclaims what a crashed run left
+    return fields
+
+
+def _coerce(section: str, name: str, raw: Any) -> Any:
+    """Turn a TOML, environment or flag value into the field's type."""
+    where = f"{section}.{name}"
+    if section == "nvme" and name == "enabled":
+        return _as_bool(raw, where)
+    kind = str(_fields(section)[name].type)
+    if name.endswith("_bytes"):
+        return parse_size(raw, where)
+    if "Path" in kind:
+        return Path(str(raw)).expanduser()
+    if kind == "bool":
+        return _as_bool(raw, where)
+    try:
+        if kind == "int":
+            return int(str(raw), 0) if isinstance(raw, str) else int(raw)
+        if kind == "float":
+            return float(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{where} must be a{'n integer' if kind == 'int' else ' number'}, got {raw!r}.") from exc
+    return str(raw)
+
+
+def _as_bool(raw: Any, where: str) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{where} must be true or false, got {raw!r}.")
+
+
+def _merge(target: dict[str, dict[str, Any]], source: Mapping[str, Any], origin: str) -> None:
+    for section, values in source.items():
+        if section not in _SECTIONS:
+            raise ConfigError(f"{origin}: unknown section [{section}]; known sections: {', '.join(_SECTIONS)}.")
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{origin}: [{section}] must be a table of settings.")
+        allowed = set(_fields(section)) | (_EXTRA_NVME_KEYS if section == "nvme" else set())
+        for name, raw in values.items():
+            if name not in allowed:
+                raise ConfigError(f"{origin}: unknown setting {section}.{name}; known: {', '.join(sorted(allowed))}.")
+            target[section][name] = _coerce(section, name, raw)
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+    for key, value in environ.items():
+        if not key.startswith("KVSTORE_") or key in ("KVSTORE_CONFIG", "KVSTORE_ADDRESS", "KVSTORE_TOKEN"):
+            continue
+        section, _, name = key[len("KVSTORE_"):].lower().partition("_")
+        if section not in _SECTIONS:
+            raise ConfigError(f"environment variable {key}: unknown section {section!r}; known: {', '.join(_SECTIONS)}.")
+        found[section][name] = value
+    return {s: v for s, v in found.items() if v}
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, dict[str, Any]]:
+    """``["host.capacity_bytes=8GiB", …]`` as sections of settings."""
+    found: dict[str, dict[str, Any]] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot:
+            raise ConfigError(f"--set expects section.field=value, got {pair!r}.")
+        found.setdefault(section, {})[name] = value
+    return found
+
+
+def load_config(
+    path: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> DaemonConfig:
+    """Defaults ← TOML file ← environment ← overrides, validated into a DaemonConfig."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+    if path is None and environ.get("KVSTORE_CONFIG"):
+        path = Path(environ["KVSTORE_CONFIG"])
+    if path is not None:
+        try:
+            document = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read the configuration file {path}: {exc.strerror}.") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path} is not valid TOML: {exc}.") from exc
+        _merge(values, document, str(path))
+    _merge(values, _from_env(environ), "environment")
+    if overrides:
+        _merge(values, overrides, "command line")
+
+    try:
+        server = ServerConfig(**values["server"])
+        host_values = dict(values["host"])
+        host_dir = Path(host_values.get("directory", HostTierConfig.__dataclass_fields__["directory"].default))
+        host_values.setdefault("capacity_bytes", _default_host_capacity(host_dir))
+        host_values.setdefault("name", f"kvstore-{server.node_id}-{server.grpc_port}".replace("/", "_"))
+        host = HostTierConfig(reclaim_stale=True, **host_values)
+        nvme_values = dict(values["nvme"])
+        nvme: NvmeTierConfig | None = None
+        if nvme_values.pop("enabled", True):
+            nvme_values.setdefault("directory", default_cache_dir() / "nvme")
+            nvme_values.setdefault("capacity_bytes", _default_nvme_capacity(Path(nvme_values["directory"])))
+            nvme = NvmeTierConfig(**nvme_values)
+        manager = TierManagerConfig(**values["manager"])
+    except ConfigError:
+        raise
+    except InvalidArgument as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from exc
+    except TypeError as exc:
+        raise ConfigError(f"invalid configuration: {exc}.") from exc
+    return DaemonConfig(server=server, host=host, nvme=nvme, manager=manager)

@@ -1,0 +1,161 @@
+"""`kvstore serve`: one asyncio process per host that owns the tiers.
+
+Start: reclaim what a crashed run left (a socket nobody answers on, the host tier's
+shared-memory file), open the tiers (a broken NVMe directory is reported and the node
+runs from memory), serve the local protocol on the Unix socket (mode 0600/0660), the gRPC
+API on TCP and Prometheus metrics over HTTP, and write a state file next to the socket
+(pid, addresses) so that the CLI and tests find ports chosen at start.
+
+Stop (SIGTERM or SIGINT): stop accepting, give in-flight gRPC calls ``drain_timeout_s``
+to finish, close client sessions (their leases and reservations are released), move the
+host tier's blocks to NVMe so that a restart serves them, close the tiers (the shared
+memory file is removed) and remove the socket and the state file.
+
+Every tier operation runs on the event loop's thread: the tier manager has one owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+from kvstore.config import DaemonConfig
+from kvstore.errors import TierUnavailable
+from kvstore.localproto import LocalServerProtocol
+from kvstore.metrics import Metrics
+from kvstore.node import Node
+from kvstore.tiers.host import HostTier
+from kvstore.tiers.manager import TierManager
+from kvstore.tiers.nvme import NvmeTier
+
+__all__ = ["run", "serve", "state_path_for", "read_state"]
+
+logger = logging.getLogger("kvstore.daemon")
+HOUSEKEEPING_PERIOD_S = 0.25
+
+
+def state_path_for(socket_path: Path) -> Path:
+    return Path(str(socket_path) + ".json")
+
+
+def read_state(socket_path: Path) -> dict:
+    """What a running daemon wrote at start: pid, socket, grpc address, metrics port."""
+    try:
+        return json.loads(state_path_for(socket_path).read_text())
+    except (OSError, ValueError) as exc:
+        raise TierUnavailable(f"no kvstore daemon state at {state_path_for(socket_path)}; is `kvstore serve` running?") from exc
+
+
+def _reclaim_socket(path: Path) -> None:
+    """Remove a socket left by a crashed daemon; refuse to start beside a live one."""
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        logger.warning("removing stale socket %s left by a daemon that did not stop cleanly", path)
+        path.unlink()
+        state_path_for(path).unlink(missing_ok=True)
+        return
+    finally:
+        probe.close()
+    raise TierUnavailable(f"another kvstore daemon is serving on {path}; stop it or configure another socket_path.")
+
+
+def _open_tiers(config: DaemonConfig) -> list:
+    tiers: list = [HostTier(config.host)]
+    if config.nvme is not None:
+        try:
+            tiers.append(NvmeTier(config.nvme))
+        except TierUnavailable as exc:
+            logger.error("NVMe tier disabled, serving from memory only: %s", exc)
+    return tiers
+
+
+async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> None:
+    from kvstore.api.server import create_grpc_server  # grpc is imported only by the daemon
+
+    server_config = config.server
+    socket_path = Path(server_config.socket_path)
+    socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _reclaim_socket(socket_path)
+
+    manager = TierManager(config.manager, _open_tiers(config))
+    metrics = Metrics()
+    node = Node(server_config.node_id, manager, metrics)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    host = manager.tier(manager.tier_kinds[0])
+    slab_path = str(host.path)
+    old_umask = os.umask(0o177 if server_config.socket_mode == 0o600 else 0o117)
+    try:
+        local_server = await loop.create_unix_server(lambda: LocalServerProtocol(node, slab_path), str(socket_path))
+    finally:
+        os.umask(old_umask)
+    os.chmod(socket_path, server_config.socket_mode)
+
+    grpc_server, grpc_port = create_grpc_server(node, server_config)
+    await grpc_server.start()
+    metrics_port = _start_metrics(metrics, server_config.metrics_host, server_config.metrics_port)
+    state = {
+        "pid": os.getpid(),
+        "node_id": node.node_id,
+        "socket": str(socket_path),
+        "grpc_address": f"{server_config.grpc_host}:{grpc_port}",
+        "metrics_port": metrics_port,
+        "host_slab": slab_path,
+    }
+    state_path_for(socket_path).write_text(json.dumps(state))
+    logger.info("kvstore serving: socket %s, gRPC %s, metrics %s", socket_path, state["grpc_address"], metrics_port)
+    housekeeping = asyncio.create_task(_housekeeping(node, stop))
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        logger.info("stopping: draining requests")
+        local_server.close()
+        await grpc_server.stop(grace=server_config.drain_timeout_s)
+        housekeeping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await housekeeping
+        node.close_all_sessions()
+        persisted = manager.persist()
+        logger.info("moved %d memory blocks to NVMe before stopping", persisted)
+        manager.close()
+        socket_path.unlink(missing_ok=True)
+        state_path_for(socket_path).unlink(missing_ok=True)
+        logger.info("stopped")
+
+
+async def _housekeeping(node: Node, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            node.housekeeping()
+        except Exception:  # a failed tick must not stop the daemon
+            logger.exception("housekeeping failed")
+        await asyncio.sleep(HOUSEKEEPING_PERIOD_S)
+
+
+def _start_metrics(metrics: Metrics, host: str, port: int) -> int | None:
+    if port < 0:
+        return None
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
+    return server.server_port
+
+
+def run(config: DaemonConfig) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(config))

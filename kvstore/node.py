@@ -1,0 +1,282 @@
+"""A node: the tier manager plus what a daemon serving many clients adds around it.
+
+- namespaces registered by clients (a block is only ever served under its namespace);
+- ownership: every reservation and lease belongs to a client session, and everything a
+  session holds is released when it goes away (a killed engine leaks nothing);
+- metrics for every operation;
+- housekeeping the daemon runs periodically (expired reservations, watermarks, gauges).
+
+Both front ends — the local protocol engines use over the Unix socket and the gRPC API —
+call this one object, so they validate and behave alike.
+
+Owner: the daemon's event loop thread; nothing here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from kvstore.errors import InvalidArgument, NotFound, UnknownNamespace
+from kvstore.hashing import HASH_BYTES, BlockHash, chain_hashes
+from kvstore.metrics import Metrics
+from kvstore.namespace import Namespace
+from kvstore.tiers.base import TierKind, TierStats, byte_view
+from kvstore.tiers.manager import BlockInfo, EvictResult, ReadLease, Reservation, TierManager
+
+__all__ = ["Node", "NodeStats", "Limits", "BlockPage"]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds on what one request may ask for; larger requests are rejected, not truncated."""
+
+    max_blocks_per_request: int = 65_536
+    max_tokens_per_request: int = 4 * 1024 * 1024
+    max_inline_bytes: int = 64 * 1024 * 1024
+    max_page_size: int = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStats:
+    node_id: str
+    uptime_s: float
+    tiers: tuple[TierStats, ...]
+    failed_tiers: tuple[TierKind, ...]
+    num_blocks: int
+    num_namespaces: int
+    num_leases: int
+    num_reservations: int
+    num_sessions: int
+    counters: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPage:
+    blocks: tuple[BlockInfo, ...]
+    next_page_token: str  # empty on the last page
+    total: int
+
+
+class _Session:
+    __slots__ = ("reservations", "leases")
+
+    def __init__(self) -> None:
+        self.reservations: set[int] = set()
+        self.leases: set[int] = set()
+
+
+class Node:
+    def __init__(self, node_id: str, manager: TierManager, metrics: Metrics, limits: Limits = Limits()) -> None:
+        self.node_id = node_id
+        self.manager = manager
+        self.metrics = metrics
+        self.limits = limits
+        self.started_at = time.monotonic()
+        self._sessions: dict[int, _Session] = {}
+        self._session_ids = itertools.count(1)
+
+    # -- sessions -----------------------------------------------------------------------
+    def open_session(self) -> int:
+        session_id = next(self._session_ids)
+        self._sessions[session_id] = _Session()
+        return session_id
+
+    def close_session(self, session_id: int) -> None:
+        """Abort what the session reserved and release what it leased."""
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return
+        for reservation_id in session.reservations:
+            try:
+                self.manager.abort(reservation_id)
+            except NotFound:
+                pass  # expired meanwhile
+        for lease_id in session.leases:
+            self.manager.release(lease_id)
+
+    def close_all_sessions(self) -> None:
+        for session_id in list(self._sessions):
+            self.close_session(session_id)
+
+    # -- namespaces -----------------------------------------------------------------------
+    def register_namespace(self, namespace: Namespace) -> bytes:
+        self.manager.register_namespace(namespace)
+        return namespace.digest
+
+    def namespace(self, digest: bytes) -> Namespace:
+        known = self.manager.namespaces()
+        if digest not in known:
+            raise UnknownNamespace(f"namespace {digest.hex()} is not registered on node {self.node_id}.")
+        found = known[digest]
+        if found is None:
+            raise UnknownNamespace(
+                f"namespace {digest.hex()} has blocks recovered from NVMe but no engine has registered it since the "
+                "restart; token ids cannot be hashed for it until one does (block hashes work)."
+            )
+        return found
+
+    def hashes_for_tokens(self, digest: bytes, token_ids: Sequence[int]) -> list[BlockHash]:
+        if len(token_ids) > self.limits.max_tokens_per_request:
+            raise InvalidArgument(f"{len(token_ids)} token ids exceed the limit of {self.limits.max_tokens_per_request} per request.")
+        return chain_hashes(token_ids, self.namespace(digest).block_size)
+
+    # -- store ---------------------------------------------------------------------------
+    def lookup(self, digest: bytes, hashes: Sequence[BlockHash]) -> list[TierKind]:
+        self._check_hashes(hashes)
+        tiers = self.manager.lookup(digest, hashes)
+        self.metrics.lookup(digest, tiers, len(hashes), self._block_size(digest))
+        return tiers
+
+    def begin_save(self, session_id: int, digest: bytes, hashes: Sequence[BlockHash], parent: BlockHash | None) -> Reservation:
+        self._check_hashes(hashes)
+        if parent is not None:
+            self._check_hashes([parent])
+        reservation = self.manager.reserve(digest, hashes, parent)
+        self._session(session_id).reservations.add(reservation.id)
+        return reservation
+
+    def commit_save(self, session_id: int, reservation_id: int, num_written: int | None = None) -> int:
+        self._session(session_id).reservations.discard(reservation_id)
+        reservation = self.manager.reservation(reservation_id)
+        stored = self.manager.commit(reservation_id, num_written)
+        self.metrics.stored(stored, stored * reservation.nbytes)
+        return stored
+
+    def abort_save(self, session_id: int, reservation_id: int) -> None:
+        self._session(session_id).reservations.discard(reservation_id)
+        self.manager.abort(reservation_id)
+
+    def begin_load(self, session_id: int, digest: bytes, hashes: Sequence[BlockHash]) -> ReadLease:
+        self._check_hashes(hashes)
+        tiers = self.manager.lookup(digest, hashes)
+        lease = self.manager.acquire(digest, hashes, TierKind.HOST)
+        self._session(session_id).leases.add(lease.id)
+        self.metrics.loaded(digest, tiers[: len(lease.blocks)], lease.nbytes)
+        return lease
+
+    def end_load(self, session_id: int, lease_id: int) -> None:
+        self._session(session_id).leases.discard(lease_id)
+        self.manager.release(lease_id)
+
+    def put_inline(self, digest: bytes, hashes: Sequence[BlockHash], payloads: Sequence[bytes], parent: BlockHash | None) -> int:
+        """Store blocks whose bytes came with the request (remote clients, small payloads)."""
+        self._check_hashes(hashes)
+        nbytes = self.manager.block_bytes(digest)
+        total = sum(len(p) for p in payloads)
+        if total > self.limits.max_inline_bytes:
+            raise InvalidArgument(f"{total} inline bytes exceed the limit of {self.limits.max_inline_bytes}; use the local client for bulk data.")
+        if len(payloads) != len(hashes):
+            raise InvalidArgument(f"{len(hashes)} block hashes were given with {len(payloads)} payloads.")
+        tensors = [torch.frombuffer(bytearray(p), dtype=torch.uint8) if p else torch.empty(0, dtype=torch.uint8) for p in payloads]
+        for block_hash, tensor in zip(hashes, tensors):
+            if tensor.numel() != nbytes:
+                raise InvalidArgument(f"block {block_hash.hex()} has {tensor.numel()} bytes; this namespace's blocks have {nbytes}.")
+        stored = self.manager.put(digest, hashes, tensors, parent_hash=parent)
+        self.metrics.stored(stored, stored * nbytes)
+        return stored
+
+    def get_inline(self, digest: bytes, hashes: Sequence[BlockHash]) -> list[bytes]:
+        """The bytes of the longest cached prefix of ``hashes`` (bounded by max_inline_bytes)."""
+        self._check_hashes(hashes)
+        nbytes = self.manager.block_bytes(digest)
+        limit = max(1, self.limits.max_inline_bytes // nbytes)
+        session_id = self.open_session()
+        try:
+            lease = self.begin_load(session_id, digest, list(hashes)[:limit])
+            return [bytes(byte_view(view).numpy()) for view in self.manager.lease_views(lease)]
+        finally:
+            self.close_session(session_id)
+
+    # -- admin ---------------------------------------------------------------------------
+    def stats(self) -> NodeStats:
+        manager = self.manager
+        return NodeStats(
+            node_id=self.node_id,
+            uptime_s=time.monotonic() - self.started_at,
+            tiers=tuple(manager.tier_stats()),
+            failed_tiers=tuple(sorted(manager.failed_tiers, key=lambda k: k.rank)),
+            num_blocks=len(manager.catalogue),
+            num_namespaces=len(manager.namespaces()),
+            num_leases=manager.num_leases,
+            num_reservations=manager.num_reservations,
+            num_sessions=len(self._sessions),
+            counters=dict(manager.counters),
+        )
+
+    def list_blocks(
+        self,
+        digest: bytes | None = None,
+        tier: TierKind | None = None,
+        min_idle_s: float | None = None,
+        page_size: int = 1000,
+        page_token: str = "",
+    ) -> BlockPage:
+        if not 0 < page_size <= self.limits.max_page_size:
+            raise InvalidArgument(f"page_size must lie in [1, {self.limits.max_page_size}], got {page_size}.")
+        if digest is not None:
+            self.manager.block_bytes(digest)
+        try:
+            start = int(page_token) if page_token else 0
+        except ValueError:
+            raise InvalidArgument(f"page_token {page_token!r} was not issued by this node.") from None
+        now = time.monotonic()
+        blocks = [
+            b for b in self.manager.blocks(digest, tier) if min_idle_s is None or now - b.last_access >= min_idle_s
+        ]
+        # stable order so that pages follow each other: oldest first
+        blocks.sort(key=lambda b: (b.stored_at, b.block_hash))
+        page = blocks[start : start + page_size]
+        more = start + page_size < len(blocks)
+        return BlockPage(tuple(page), str(start + page_size) if more else "", len(blocks))
+
+    def evict(
+        self,
+        digest: bytes | None = None,
+        hashes: Sequence[BlockHash] | None = None,
+        tier: TierKind | None = None,
+        min_idle_s: float | None = None,
+    ) -> EvictResult:
+        if hashes is not None:
+            self._check_hashes(hashes)
+        if digest is not None:
+            self.manager.block_bytes(digest)
+        result = self.manager.evict(digest, hashes, tier, min_idle_s)
+        self.metrics.evicted_explicitly(result.num_evicted)
+        return result
+
+    def pin(self, digest: bytes, hashes: Sequence[BlockHash]) -> int:
+        self._check_hashes(hashes)
+        return self.manager.pin(digest, hashes)
+
+    def unpin(self, digest: bytes, hashes: Sequence[BlockHash]) -> int:
+        self._check_hashes(hashes)
+        return self.manager.unpin(digest, hashes)
+
+    def housekeeping(self) -> None:
+        """Periodic work: reclaim expired reservations, demote above the watermarks, refresh gauges."""
+        self.manager.expire_reservations()
+        self.manager.relieve_pressure()
+        self.metrics.refresh(self.manager)
+
+    # -- checks --------------------------------------------------------------------------
+    def _session(self, session_id: int) -> _Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise NotFound(f"session {session_id} is not open on node {self.node_id}.") from None
+
+    def _check_hashes(self, hashes: Sequence[BlockHash]) -> None:
+        if len(hashes) > self.limits.max_blocks_per_request:
+            raise InvalidArgument(f"{len(hashes)} blocks exceed the limit of {self.limits.max_blocks_per_request} per request.")
+        # map/set run in C: this check is on the lookup path of every engine request
+        if hashes and (set(map(len, hashes)) != {HASH_BYTES} or set(map(type, hashes)) != {bytes}):
+            raise InvalidArgument(f"every block hash must be {HASH_BYTES} bytes (an XXH3-128 digest).")
+
+    def _block_size(self, digest: bytes) -> int:
+        namespace = self.manager.namespaces().get(digest)
+        return namespace.block_size if namespace is not None else 0

@@ -9,7 +9,7 @@ TORCH_CPU_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS    ?=
 
-.PHONY: venv test test-fast bench bench-quick demo clean
+.PHONY: venv test test-fast bench bench-quick demo proto clean
 
 venv: $(STAMP)
 
@@ -36,6 +36,11 @@ bench-quick: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m kvstore.demo
+
+# The generated modules are committed; run this after editing the .proto. grpcio-tools is
+# pinned (pyproject) so that the code it writes runs with the protobuf LMCache allows.
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. kvstore/api/v1/kvstore.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info

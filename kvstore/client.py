@@ -26,7 +26,7 @@ from typing import Sequence
 import msgpack
 import torch
 
-from kvstore.config import default_socket_path
+from kvstore.paths import default_socket_path
 from kvstore.errors import InvalidArgument, TierUnavailable
 from kvstore.hashing import BlockHash
 from kvstore.localproto import (

@@ -33,7 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+import xxhash
+
 from kvstore.errors import InvalidArgument
+from kvstore.paths import default_cache_dir, default_socket_path
 from kvstore.tiers.host import HostTierConfig
 from kvstore.tiers.manager import TierManagerConfig
 from kvstore.tiers.nvme import NvmeTierConfig
@@ -92,16 +95,6 @@ class DaemonConfig:
     host: HostTierConfig
     nvme: NvmeTierConfig | None  # None: memory only
     manager: TierManagerConfig
-
-
-def default_socket_path() -> Path:
-    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvstore-{os.getuid()}"
-    return Path(runtime) / "kvstore.sock"
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvstore"
 
 
 def parse_size(value: Any, name: str) -> int:
@@ -250,7 +243,9 @@ def load_config(
         host_values = dict(values["host"])
         host_dir = Path(host_values.get("directory", HostTierConfig.__dataclass_fields__["directory"].default))
         host_values.setdefault("capacity_bytes", _default_host_capacity(host_dir))
-        host_values.setdefault("name", f"kvstore-{server.node_id}-{server.grpc_port}".replace("/", "_"))
+        # one segment per daemon instance: named after its socket, which is unique per host
+        socket_tag = xxhash.xxh64_hexdigest(str(server.socket_path).encode())[:8]
+        host_values.setdefault("name", f"kvstore-{server.node_id}-{socket_tag}".replace("/", "_"))
         host = HostTierConfig(reclaim_stale=True, **host_values)
         nvme_values = dict(values["nvme"])
         nvme: NvmeTierConfig | None = None

@@ -30,26 +30,15 @@ from kvstore.errors import TierUnavailable
 from kvstore.localproto import LocalServerProtocol
 from kvstore.metrics import Metrics
 from kvstore.node import Node
+from kvstore.paths import state_path_for
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.manager import TierManager
 from kvstore.tiers.nvme import NvmeTier
 
-__all__ = ["run", "serve", "state_path_for", "read_state"]
+__all__ = ["run", "serve"]
 
 logger = logging.getLogger("kvstore.daemon")
 HOUSEKEEPING_PERIOD_S = 0.25
-
-
-def state_path_for(socket_path: Path) -> Path:
-    return Path(str(socket_path) + ".json")
-
-
-def read_state(socket_path: Path) -> dict:
-    """What a running daemon wrote at start: pid, socket, grpc address, metrics port."""
-    try:
-        return json.loads(state_path_for(socket_path).read_text())
-    except (OSError, ValueError) as exc:
-        raise TierUnavailable(f"no kvstore daemon state at {state_path_for(socket_path)}; is `kvstore serve` running?") from exc
 
 
 def _reclaim_socket(path: Path) -> None:

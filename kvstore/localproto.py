@@ -35,6 +35,7 @@ from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 from kvstore.tiers.base import TierKind
+from kvstore.version import LOCAL_PROTOCOL_VERSION
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -50,7 +51,7 @@ __all__ = [
     "LocalServerProtocol",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = LOCAL_PROTOCOL_VERSION
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 HEADER = struct.Struct("<I")
 logger = logging.getLogger(__name__)

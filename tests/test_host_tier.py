@@ -66,14 +66,18 @@ def test_two_processes_share_the_slab_without_copies(host_tier):
     assert torch.equal(out, pattern(300_000, 7))
 
 
-def test_a_leftover_segment_is_refused_unless_reclaimed(host_tier):
-    config = host_tier.config
-    with pytest.raises(TierUnavailable, match="already exists"):
-        HostTier(config)
-    reclaimed = HostTier(HostTierConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__}, "reclaim_stale": True}))
-    assert reclaimed.stats().capacity_bytes == 8 * MiB
-    reclaimed.close()
-    assert not config.path.exists()
+def test_a_leftover_segment_is_refused_unless_reclaimed():
+    config = HostTierConfig(capacity_bytes=2 * MiB, name=f"kvstore-test-{uuid.uuid4().hex[:8]}")
+    config.path.write_bytes(b"left by a daemon that was killed")  # nobody holds its lock
+    try:
+        with pytest.raises(TierUnavailable, match="already exists"):
+            HostTier(config)
+        reclaimed = HostTier(HostTierConfig(capacity_bytes=2 * MiB, name=config.name, reclaim_stale=True))
+        assert reclaimed.stats().capacity_bytes == 2 * MiB
+        reclaimed.close()
+        assert not config.path.exists()
+    finally:
+        config.path.unlink(missing_ok=True)
 
 
 def test_close_removes_the_file_and_attach_then_fails():
@@ -107,3 +111,11 @@ def test_bad_config():
         HostTierConfig(capacity_bytes=MiB, name="../etc")
     with pytest.raises(TierUnavailable, match="not a host tier file"):
         SharedSlab.attach("/dev/null")
+
+
+def test_a_live_owner_cannot_be_reclaimed(host_tier):
+    config = host_tier.config
+    live = HostTierConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__}, "reclaim_stale": True})
+    with pytest.raises(TierUnavailable, match="live kvstore daemon"):
+        HostTier(live)
+    assert host_tier.path.exists()  # the owner's segment is untouched

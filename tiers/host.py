@@ -10,6 +10,7 @@ mapping is page-locked (cudaHostRegister) so GPU↔host copies run at DMA speed.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import stat
@@ -52,10 +53,12 @@ class SharedSlab:
     """A mapping of a host-tier file, as a flat uint8 tensor; the daemon creates it, an
     engine attaches to it. Closing drops the mapping; only the creator removes the file."""
 
-    def __init__(self, path: Path, mapping: mmap.mmap, owner: bool) -> None:
+    def __init__(self, path: Path, mapping: mmap.mmap, owner_fd: int | None) -> None:
         self.path = path
         self._mapping = mapping
-        self._owner = owner
+        # the creator keeps the file open with an exclusive flock for its whole life: a
+        # file whose lock can be taken was left by a process that is gone
+        self._owner_fd = owner_fd
         self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)
 
     @classmethod
@@ -71,6 +74,11 @@ class SharedSlab:
         except OSError as exc:
             raise TierUnavailable(f"cannot create the host tier file {path}: {exc.strerror}.") from exc
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            os.close(fd)
+            raise TierUnavailable(f"{path} belongs to a live kvstore daemon; give this one another host tier name.") from exc
+        try:
             os.ftruncate(fd, nbytes)
             os.posix_fallocate(fd, 0, nbytes)
             mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -81,8 +89,7 @@ class SharedSlab:
                 f"cannot reserve {nbytes} bytes for the host tier in {path.parent}: {exc.strerror}; "
                 "lower the host tier capacity or enlarge that filesystem."
             ) from exc
-        os.close(fd)
-        return cls(path, mapping, owner=True)
+        return cls(path, mapping, owner_fd=fd)
 
     @classmethod
     def attach(cls, path: Path | str) -> "SharedSlab":
@@ -100,7 +107,7 @@ class SharedSlab:
             raise TierUnavailable(f"cannot map the host tier file {path}: {exc.strerror}.") from exc
         finally:
             os.close(fd)
-        return cls(path, mapping, owner=False)
+        return cls(path, mapping, owner_fd=None)
 
     def view(self, slot: Slot, nbytes: int | None = None) -> torch.Tensor:
         length = slot.nbytes if nbytes is None else nbytes
@@ -115,8 +122,10 @@ class SharedSlab:
         except BufferError:
             # views handed out earlier still reference the mapping; it goes when they do
             pass
-        if self._owner:
+        if self._owner_fd is not None:
             self.path.unlink(missing_ok=True)
+            os.close(self._owner_fd)
+            self._owner_fd = None
 
 
 class HostTier(MemoryTier):

@@ -1,0 +1,5 @@
+"""`python -m kvstore`: the kvstore command."""
+
+from kvstore.cli import main
+
+main()

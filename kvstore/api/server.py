@@ -1,0 +1,83 @@
+"""The daemon's gRPC server: the kvstore.v1 services, health checking and reflection.
+
+The daemon calls ``create_grpc_server`` on its event loop (the loop that owns the Node),
+then ``await server.start()``; on shutdown ``await server.stop(grace)``.
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.api.auth import BearerTokenInterceptor
+from kvstore.api.servicers import AdminServicer, IndexServicer, StoreServicer
+from kvstore.api.v1 import kvstore_pb2 as pb
+from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.config import ServerConfig
+from kvstore.errors import KVStoreError
+from kvstore.node import Limits, Node
+
+__all__ = ["create_grpc_server", "KVSTORE_SERVICES", "message_limit_bytes"]
+
+KVSTORE_SERVICES: tuple[str, ...] = tuple(service.full_name for service in pb.DESCRIPTOR.services_by_name.values())
+
+_HEADROOM_BYTES = 16 * 1024 * 1024
+_VARINT_UINT32_BYTES = 5
+_HASH_FIELD_BYTES = 18  # 16 bytes plus tag and length
+
+
+def message_limit_bytes(limits: Limits) -> int:
+    """The largest message a request within ``limits`` (or its answer) can need."""
+    largest = max(
+        limits.max_inline_bytes,
+        limits.max_tokens_per_request * _VARINT_UINT32_BYTES,
+        limits.max_blocks_per_request * _HASH_FIELD_BYTES,
+    )
+    return largest + _HEADROOM_BYTES
+
+
+class _Health(health.aio.HealthServicer):
+    """The standard async health servicer, with kvstore's services SERVING from the start."""
+
+    def __init__(self, services: tuple[str, ...]) -> None:
+        super().__init__()
+        # the public setter is a coroutine and this is built synchronously; before the
+        # server starts no Watch can be waiting, so filling the table is all `set` would do
+        for service in services:
+            self._server_status[service] = health_pb2.HealthCheckResponse.SERVING
+
+
+def create_grpc_server(node: Node, config: ServerConfig) -> tuple[grpc.aio.Server, int]:
+    """An aio server bound to ``config.grpc_address`` (port 0: a free port), not started.
+
+    Returns the server and the port it is bound to. Must be called on the event loop that
+    owns ``node``: the servicers call it directly.
+    """
+    limit = message_limit_bytes(node.limits)
+    interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ],
+    )
+    pb_grpc.add_StoreServicer_to_server(StoreServicer(node), server)
+    pb_grpc.add_IndexServicer_to_server(IndexServicer(node), server)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(node), server)
+    health_pb2_grpc.add_HealthServicer_to_server(_Health(KVSTORE_SERVICES), server)
+    reflection.enable_server_reflection((*KVSTORE_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    try:
+        port = server.add_insecure_port(config.grpc_address)
+    except RuntimeError as exc:
+        raise KVStoreError(
+            f"cannot listen for gRPC on {config.grpc_address}: {exc}; another process may hold the port "
+            "(set server.grpc_port, or 0 for a free one)."
+        ) from exc
+    if port == 0:
+        raise KVStoreError(
+            f"cannot listen for gRPC on {config.grpc_address}; another process may hold the port "
+            "(set server.grpc_port, or 0 for a free one)."
+        )
+    return server, port

@@ -1,0 +1,207 @@
+"""The kvstore.v1 services over a Node.
+
+Owner: the daemon's event loop. The grpc.aio server runs these coroutines on the loop
+that owns the Node, so they call it directly; none of them awaits between reading and
+changing node state, so each request is atomic with respect to the others.
+
+Every method validates its request (kvstore.api.convert) before touching the node, and
+every kvstore error becomes a gRPC status in one place, ``_served``: a client always gets
+a status with a sentence, and an unexpected exception is logged and answered INTERNAL
+while the daemon keeps serving.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Awaitable, Callable, TypeVar
+
+import grpc
+
+from kvstore.api import convert
+from kvstore.api.v1 import kvstore_pb2 as pb
+from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.errors import (
+    CapacityExhausted,
+    CorruptBlock,
+    InvalidArgument,
+    KVStoreError,
+    NotFound,
+    ReservationExpired,
+    TierUnavailable,
+    UnknownNamespace,
+)
+from kvstore.hashing import BlockHash
+from kvstore.node import Node
+
+__all__ = ["StoreServicer", "IndexServicer", "AdminServicer", "status_for"]
+
+_log = logging.getLogger(__name__)
+
+# First match wins, so subclasses come before the classes they extend.
+_STATUS_FOR: tuple[tuple[type[KVStoreError], grpc.StatusCode], ...] = (
+    (UnknownNamespace, grpc.StatusCode.NOT_FOUND),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (CapacityExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (TierUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (ReservationExpired, grpc.StatusCode.FAILED_PRECONDITION),
+    (CorruptBlock, grpc.StatusCode.DATA_LOSS),
+)
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+Method = Callable[[object, Request, grpc.aio.ServicerContext], Awaitable[Response]]
+
+
+def status_for(error: KVStoreError) -> grpc.StatusCode:
+    for kind, code in _STATUS_FOR:
+        if isinstance(error, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def _served(method: Method) -> Method:
+    """Time the call and answer every failure with a status and a sentence."""
+
+    @functools.wraps(method)
+    async def serve(self, request, context: grpc.aio.ServicerContext):
+        rpc = f"{self.service}.{method.__name__}"
+        started = time.perf_counter()
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise  # the method chose its status already
+        except KVStoreError as exc:
+            await context.abort(status_for(exc), str(exc))
+        except Exception as exc:
+            _log.exception("%s failed", rpc)
+            await context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"{rpc} failed on node {self.node.node_id} with an unexpected {type(exc).__name__}; "
+                "the daemon logged the details and keeps serving.",
+            )
+        finally:
+            self.node.metrics.observe(rpc, time.perf_counter() - started)
+
+    return serve
+
+
+class _NodeServicer:
+    service = ""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def _hashes(self, digest: bytes, prefix: convert.Prefix) -> list[BlockHash]:
+        if prefix.block_hashes is not None:
+            return prefix.block_hashes
+        return self.node.hashes_for_tokens(digest, prefix.token_ids or [])
+
+    def _block_size(self, digest: bytes) -> int:
+        """Tokens per block; 0 for a namespace known only from recovered NVMe blocks."""
+        namespace = self.node.manager.namespaces().get(digest)
+        return namespace.block_size if namespace is not None else 0
+
+    def _require_namespace(self, digest: bytes) -> None:
+        self.node.manager.block_bytes(digest)  # raises UnknownNamespace
+
+
+class StoreServicer(_NodeServicer, pb_grpc.StoreServicer):
+    service = "Store"
+
+    @_served
+    async def RegisterNamespace(self, request: pb.RegisterNamespaceRequest, context) -> pb.RegisterNamespaceResponse:
+        namespace = convert.namespace_from_proto(request)
+        digest = self.node.register_namespace(namespace)
+        return pb.RegisterNamespaceResponse(namespace_id=digest, block_bytes=namespace.block_bytes)
+
+    @_served
+    async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        digest = convert.namespace_id(request.namespace_id)
+        prefix = convert.prefix(request, self.node.limits)
+        tiers = self.node.lookup(digest, self._hashes(digest, prefix))
+        return convert.lookup_response(tiers, self._block_size(digest))
+
+    @_served
+    async def Put(self, request: pb.PutRequest, context) -> pb.PutResponse:
+        limits = self.node.limits
+        digest = convert.namespace_id(request.namespace_id)
+        hashes = convert.block_hashes(request.block_hashes, limits)
+        parent = convert.parent_hash(request)
+        payloads = convert.payloads(request.payloads, limits, len(hashes))
+        return pb.PutResponse(num_stored=self.node.put_inline(digest, hashes, payloads, parent))
+
+    @_served
+    async def Get(self, request: pb.GetRequest, context) -> pb.GetResponse:
+        digest = convert.namespace_id(request.namespace_id)
+        hashes = convert.block_hashes(request.block_hashes, self.node.limits)
+        return pb.GetResponse(payloads=self.node.get_inline(digest, hashes))
+
+
+class IndexServicer(_NodeServicer, pb_grpc.IndexServicer):
+    """The embedded, single-node index: the only node it knows is this one."""
+
+    service = "Index"
+
+    @_served
+    async def Match(self, request: pb.MatchRequest, context) -> pb.MatchResponse:
+        digest = convert.namespace_id(request.namespace_id)
+        prefix = convert.prefix(request, self.node.limits)
+        wanted = convert.node_ids(request.node_ids)
+        if wanted and self.node.node_id not in wanted:
+            return pb.MatchResponse()
+        tiers = self.node.lookup(digest, self._hashes(digest, prefix))
+        return pb.MatchResponse(nodes=[convert.node_match(self.node.node_id, tiers, self._block_size(digest))])
+
+    @_served
+    async def Route(self, request: pb.RouteRequest, context) -> pb.RouteResponse:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "Index.Route is not served yet: routing arrives with the global index; "
+            "meanwhile call Index.Match and weigh the answer against load yourself.",
+        )
+
+
+class AdminServicer(_NodeServicer, pb_grpc.AdminServicer):
+    service = "Admin"
+
+    @_served
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        return convert.stats_response(self.node.stats())
+
+    @_served
+    async def ListBlocks(self, request: pb.ListBlocksRequest, context) -> pb.ListBlocksResponse:
+        query = convert.block_query(request, self.node.limits)
+        page = self.node.list_blocks(query.namespace, query.tier, query.min_idle_s, query.page_size, query.page_token)
+        # the tier manager stamps blocks with the monotonic clock, as Node.list_blocks assumes
+        return convert.block_page_response(page, time.monotonic())
+
+    @_served
+    async def Evict(self, request: pb.EvictRequest, context) -> pb.EvictResponse:
+        query = convert.evict_query(request, self.node.limits)
+        result = self.node.evict(query.namespace, query.block_hashes, query.tier, query.min_idle_s)
+        return convert.evict_response(result)
+
+    @_served
+    async def Pin(self, request: pb.PinRequest, context) -> pb.PinResponse:
+        digest = convert.namespace_id(request.namespace_id)
+        hashes = convert.block_hashes(request.block_hashes, self.node.limits)
+        self._require_namespace(digest)
+        return pb.PinResponse(count=self.node.pin(digest, hashes))
+
+    @_served
+    async def Unpin(self, request: pb.UnpinRequest, context) -> pb.UnpinResponse:
+        digest = convert.namespace_id(request.namespace_id)
+        hashes = convert.block_hashes(request.block_hashes, self.node.limits)
+        self._require_namespace(digest)
+        return pb.UnpinResponse(count=self.node.unpin(digest, hashes))
+
+    @_served
+    async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "Admin.Drain is not served yet: drain arrives with the transport; until then evict or persist "
+            "blocks before scale-down.",
+        )

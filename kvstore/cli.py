@@ -1,0 +1,376 @@
+"""The `kvstore` command: run the daemon, inspect and control it.
+
+Every command but `serve` and `version` talks to a daemon's gRPC API. The address comes
+from ``--address``, else ``$KVSTORE_ADDRESS``, else the state file the daemon wrote next
+to its socket (``--socket`` / ``$KVSTORE_SERVER_SOCKET_PATH`` / the default path). The
+bearer token comes from ``--token`` or ``$KVSTORE_TOKEN``.
+
+Output is a human-readable table, or one JSON document with ``--json``. Exit codes:
+
+    0  done                         3  no daemon answers at that address
+    1  the daemon refused (a sentence says why)   4  the daemon wants a valid token
+    2  bad command line             5  the daemon does not implement this yet
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from kvstore.errors import KVStoreError
+
+EXIT_OK, EXIT_REJECTED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_UNAUTHENTICATED, EXIT_UNIMPLEMENTED = 0, 1, 2, 3, 4, 5
+_EXIT_BY_CODE = {
+    "UNAVAILABLE": EXIT_UNREACHABLE,
+    "DEADLINE_EXCEEDED": EXIT_UNREACHABLE,
+    "UNAUTHENTICATED": EXIT_UNAUTHENTICATED,
+    "UNIMPLEMENTED": EXIT_UNIMPLEMENTED,
+}
+_TIERS = ("gpu", "hbm", "host", "nvme", "remote")
+
+
+class Context:
+    def __init__(self, address: str | None, socket_path: str | None, token: str | None, as_json: bool) -> None:
+        self.address = address
+        self.socket_path = socket_path
+        self.token = token
+        self.as_json = as_json
+
+    def client(self):
+        from kvstore.api.client import connect
+
+        return connect(self.resolve_address(), token=self.token)
+
+    def resolve_address(self) -> str:
+        if self.address:
+            return self.address
+        from kvstore.paths import default_socket_path, read_state
+
+        return read_state(Path(self.socket_path) if self.socket_path else default_socket_path())["grpc_address"]
+
+    def emit(self, document: Any, human: Callable[[], None]) -> None:
+        if self.as_json:
+            click.echo(json.dumps(document, indent=None, sort_keys=True))
+        else:
+            human()
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"kvstore: {message}", err=True)
+    sys.exit(code)
+
+
+def _guarded(function: Callable) -> Callable:
+    """Turn kvstore and API errors into a sentence and an exit code, never a traceback."""
+
+    def wrapper(*args, **kwargs):
+        from kvstore.api.client import ApiError
+
+        try:
+            return function(*args, **kwargs)
+        except ApiError as exc:
+            _fail(str(exc), _EXIT_BY_CODE.get(exc.code, EXIT_REJECTED))
+        except KVStoreError as exc:
+            unreachable = "is `kvstore serve` running" in str(exc)
+            _fail(str(exc), EXIT_UNREACHABLE if unreachable else EXIT_REJECTED)
+
+    wrapper.__name__ = function.__name__
+    wrapper.__doc__ = function.__doc__
+    return wrapper
+
+
+def _hex_list(values: tuple[str, ...], what: str) -> list[bytes]:
+    from kvstore.hashing import parse_block_hash
+
+    try:
+        return [parse_block_hash(v) for v in values]
+    except KVStoreError as exc:
+        raise click.BadParameter(str(exc), param_hint=what) from None
+
+
+def _namespace_id(value: str | None) -> bytes:
+    if not value:
+        return b""
+    try:
+        raw = bytes.fromhex(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not hex; namespace ids are 32 hex digits as `kvstore ls` prints them.", param_hint="--namespace") from None
+    if len(raw) != 16:
+        raise click.BadParameter("namespace ids are 32 hex digits.", param_hint="--namespace")
+    return raw
+
+
+def _tier_proto(name: str | None):
+    from kvstore.api.v1 import kvstore_pb2 as pb
+
+    return None if name is None else pb.Tier.Value(f"TIER_{name.upper()}")
+
+
+def _tier_name(value: int) -> str:
+    from kvstore.api.v1 import kvstore_pb2 as pb
+
+    return pb.Tier.Name(value).removeprefix("TIER_").lower()
+
+
+def _table(columns: list[str], rows: list[list[Any]]) -> None:
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    click.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return ""
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--address", envvar="KVSTORE_ADDRESS", help="gRPC address of the daemon (host:port).")
+@click.option("--socket", "socket_path", envvar="KVSTORE_SERVER_SOCKET_PATH", help="the daemon's Unix socket; its state file gives the address.")
+@click.option("--token", envvar="KVSTORE_TOKEN", help="bearer token, when the daemon requires one.")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON document instead of a table.")
+@click.pass_context
+def main(ctx: click.Context, address: str | None, socket_path: str | None, token: str | None, as_json: bool) -> None:
+    """kvstore: a tiered KV-cache store for LLM inference fleets."""
+    ctx.obj = Context(address, socket_path, token, as_json)
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), envvar="KVSTORE_CONFIG", help="TOML configuration file.")
+@click.option("--set", "settings", multiple=True, metavar="SECTION.FIELD=VALUE", help="override one setting (repeatable).")
+def serve(config_path: Path | None, settings: tuple[str, ...]) -> None:
+    """Run the daemon on this host (until SIGTERM)."""
+    from kvstore.config import load_config, parse_overrides
+    from kvstore.daemon import run
+
+    try:
+        config = load_config(config_path, overrides=parse_overrides(list(settings)))
+    except KVStoreError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    try:
+        run(config)
+    except KVStoreError as exc:
+        _fail(str(exc), EXIT_REJECTED)
+
+
+@main.command()
+def version() -> None:
+    """Print kvstore's version."""
+    from importlib.metadata import version as package_version
+
+    from kvstore.version import API_VERSION, LOCAL_PROTOCOL_VERSION
+
+    ctx = click.get_current_context().obj
+    document = {"version": package_version("kvstore"), "api": API_VERSION, "local_protocol": LOCAL_PROTOCOL_VERSION}
+    ctx.emit(document, lambda: click.echo(f"kvstore {document['version']} (API {API_VERSION}, local protocol {LOCAL_PROTOCOL_VERSION})"))
+
+
+def _stats_document(client) -> dict:
+    from kvstore.api.v1 import kvstore_pb2 as pb
+
+    response = client.admin.Stats(pb.StatsRequest())
+    return {
+        "node_id": response.node_id,
+        "uptime_s": round(response.uptime_s, 3),
+        "tiers": [
+            {"tier": _tier_name(t.tier), "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes, "blocks": t.num_blocks, "occupancy": round(t.occupancy, 4)}
+            for t in response.tiers
+        ],
+        "failed_tiers": [_tier_name(t) for t in response.failed_tiers],
+        "blocks": response.num_blocks,
+        "namespaces": response.num_namespaces,
+        "leases": response.num_leases,
+        "reservations": response.num_reservations,
+        "sessions": response.num_sessions,
+        "counters": dict(sorted(response.counters.items())),
+    }
+
+
+def _print_stats(document: dict) -> None:
+    click.echo(f"node {document['node_id']}  up {document['uptime_s']:.0f} s  {document['blocks']} blocks in {document['namespaces']} namespaces")
+    _table(
+        ["tier", "used", "capacity", "occupancy", "blocks"],
+        [[t["tier"], _size(t["used_bytes"]), _size(t["capacity_bytes"]), f"{t['occupancy']:.1%}", t["blocks"]] for t in document["tiers"]],
+    )
+    if document["failed_tiers"]:
+        click.echo(f"FAILED tiers (out of service until restart): {', '.join(document['failed_tiers'])}")
+    click.echo(f"leases {document['leases']}  reservations {document['reservations']}  sessions {document['sessions']}")
+    for name, value in document["counters"].items():
+        click.echo(f"  {name:<32} {value}")
+
+
+@main.command()
+@click.pass_obj
+@_guarded
+def status(ctx: Context) -> None:
+    """Is the daemon serving? Node, uptime and tier occupancy."""
+    with ctx.client() as client:
+        serving = client.health()
+        document = {"status": serving, **_stats_document(client)}
+    ctx.emit(document, lambda: (click.echo(f"kvstore at {client.address}: {serving}"), _print_stats(document)))
+
+
+@main.command()
+@click.option("--watch", type=float, default=None, metavar="SECONDS", help="print again every SECONDS until interrupted.")
+@click.pass_obj
+@_guarded
+def stats(ctx: Context, watch: float | None) -> None:
+    """Counters and occupancy of the daemon."""
+    with ctx.client() as client:
+        while True:
+            document = _stats_document(client)
+            ctx.emit(document, lambda: _print_stats(document))
+            if watch is None:
+                return
+            try:
+                time.sleep(watch)
+            except KeyboardInterrupt:
+                return
+            if not ctx.as_json:
+                click.echo()
+
+
+@main.command(name="ls")
+@click.option("--namespace", help="only this namespace (32 hex digits).")
+@click.option("--tier", type=click.Choice(_TIERS), help="only blocks in this tier.")
+@click.option("--min-idle", type=float, help="only blocks unused for at least this many seconds.")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True, help="blocks per page.")
+@click.option("--page-token", default="", help="continue from a previous page.")
+@click.pass_obj
+@_guarded
+def list_blocks(ctx: Context, namespace: str | None, tier: str | None, min_idle: float | None, limit: int, page_token: str) -> None:
+    """List cached blocks, oldest first."""
+    from kvstore.api.v1 import kvstore_pb2 as pb
+
+    request = pb.ListBlocksRequest(namespace_id=_namespace_id(namespace), page_size=limit, page_token=page_token)
+    if tier is not None:
+        request.tier = _tier_proto(tier)
+    if min_idle is not None:
+        request.min_idle_s = min_idle
+    with ctx.client() as client:
+        response = client.admin.ListBlocks(request)
+    blocks = [
+        {"namespace": b.namespace_id.hex(), "hash": b.block_hash.hex(), "parent": b.parent_hash.hex(), "tier": _tier_name(b.tier),
+         "nbytes": b.nbytes, "age_s": round(b.age_s, 3), "idle_s": round(b.idle_s, 3), "pinned": b.pinned, "leases": b.leases}
+        for b in response.blocks
+    ]  # fmt: skip
+    document = {"blocks": blocks, "total": response.total, "next_page_token": response.next_page_token}
+
+    def human() -> None:
+        _table(["namespace", "hash", "tier", "size", "idle s", "pinned"], [[b["namespace"][:12], b["hash"], b["tier"], _size(b["nbytes"]), f"{b['idle_s']:.1f}", "yes" if b["pinned"] else ""] for b in blocks])
+        more = f"; next page: --page-token {response.next_page_token}" if response.next_page_token else ""
+        click.echo(f"{len(blocks)} of {response.total} blocks{more}")
+
+    ctx.emit(document, human)
+
+
+def _read_tokens(path: Path) -> list[int]:
+    text = path.read_text()
+    try:
+        values = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in text.replace(",", " ").split()]
+    except ValueError as exc:
+        raise click.BadParameter(f"{path} must hold token ids: a JSON list or whitespace-separated integers ({exc}).", param_hint="--tokens") from None
+    if not all(isinstance(v, int) for v in values):
+        raise click.BadParameter(f"{path} must hold integer token ids only.", param_hint="--tokens")
+    return values
+
+
+@main.command()
+@click.option("--namespace", required=True, help="namespace id (32 hex digits).")
+@click.option("--tokens", "tokens_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="file of token ids (JSON list or whitespace-separated).")
+@click.argument("hashes", nargs=-1)
+@click.pass_obj
+@_guarded
+def lookup(ctx: Context, namespace: str, tokens_file: Path | None, hashes: tuple[str, ...]) -> None:
+    """How much of a prompt's prefix is cached, and in which tiers."""
+    from kvstore.api.v1 import kvstore_pb2 as pb
+
+    if (tokens_file is None) == (not hashes):
+        raise click.UsageError("give either --tokens FILE or block hashes, not both and not neither.")
+    request = pb.LookupRequest(namespace_id=_namespace_id(namespace))
+    if tokens_file is not None:
+        request.token_ids.ids.extend(_read_tokens(tokens_file))
+    else:
+        request.block_hashes.hashes.extend(_hex_list(hashes, "HASHES"))
+    with ctx.client() as client:
+        response = client.store.Lookup(request)
+    document = {
+        "matched_blocks": response.matched_blocks,
+        "matched_tokens": response.matched_tokens,
+        "tiers": {_tier_name(c.tier): c.blocks for c in response.tier_counts},
+    }
+    ctx.emit(document, lambda: click.echo(f"{response.matched_blocks} blocks ({response.matched_tokens} tokens) cached: " + ", ".join(f"{k} {v}" for k, v in document["tiers"].items())))
+
+
+@main.command()
+@click.option("--namespace", help="only this namespace (32 hex digits).")
+@click.option("--tier", type=click.Choice(_TIERS), help="only blocks in this tier.")
+@click.option("--min-idle", type=float, help="only blocks unused for at least this many seconds.")
+@click.option("--all", "evict_all", is_flag=True, help="every block (required when no filter is given).")
+@click.argument("hashes", nargs=-1)
+@click.pass_obj
+@_guarded
+def evict(ctx: Context, namespace: str | None, tier: str | None, min_idle: float | None, evict_all: bool, hashes: tuple[str, ...]) -> None:
+    """Drop blocks; leased and pinned blocks are skipped."""
+    from kvstore.api.v1 import kvstore_pb2 as pb
+
+    if hashes and not namespace:
+        raise click.UsageError("evicting by hash needs --namespace.")
+    request = pb.EvictRequest(namespace_id=_namespace_id(namespace), block_hashes=_hex_list(hashes, "HASHES"), all=evict_all)
+    if tier is not None:
+        request.tier = _tier_proto(tier)
+    if min_idle is not None:
+        request.min_idle_s = min_idle
+    with ctx.client() as client:
+        response = client.admin.Evict(request)
+    document = {"evicted": response.evicted, "skipped": response.skipped}
+    ctx.emit(document, lambda: click.echo(f"evicted {response.evicted} blocks; skipped {response.skipped} (leased or pinned)"))
+
+
+def _pin_command(name: str, rpc: str, verb: str):
+    @main.command(name=name, help=f"{verb.capitalize()} blocks (by hash) so that eviction {'skips' if name == 'pin' else 'may take'} them.")
+    @click.option("--namespace", required=True, help="namespace id (32 hex digits).")
+    @click.argument("hashes", nargs=-1, required=True)
+    @click.pass_obj
+    @_guarded
+    def command(ctx: Context, namespace: str, hashes: tuple[str, ...]) -> None:
+        from kvstore.api.v1 import kvstore_pb2 as pb
+
+        request_type = pb.PinRequest if name == "pin" else pb.UnpinRequest
+        with ctx.client() as client:
+            response = getattr(client.admin, rpc)(request_type(namespace_id=_namespace_id(namespace), block_hashes=_hex_list(hashes, "HASHES")))
+        ctx.emit({verb: response.count}, lambda: click.echo(f"{verb} {response.count} of {len(hashes)} blocks"))
+
+    return command
+
+
+_pin_command("pin", "Pin", "pinned")
+_pin_command("unpin", "Unpin", "unpinned")
+
+
+@main.command()
+@click.option("--to", "targets", multiple=True, help="peer node ids to move blocks to (default: any with room).")
+@click.option("--max-bytes", type=int, default=0, help="stop after moving this many bytes (0: no limit).")
+@click.pass_obj
+@_guarded
+def drain(ctx: Context, targets: tuple[str, ...], max_bytes: int) -> None:
+    """Move this node's most valuable blocks to peers before it is removed."""
+    from kvstore.api.v1 import kvstore_pb2 as pb
+
+    with ctx.client() as client:
+        response = client.admin.Drain(pb.DrainRequest(target_node_ids=list(targets), max_bytes=max_bytes))
+    document = {field.name: value for field, value in response.ListFields()}
+    ctx.emit(document, lambda: click.echo(json.dumps(document)))
+
+
+if __name__ == "__main__":
+    main()

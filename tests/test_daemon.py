@@ -1,0 +1,144 @@
+"""Real `kvstore serve` processes, real engine client processes, the real gRPC API."""
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from daemon_harness import new_daemon
+from kvstore.api.client import ApiError, connect
+from kvstore.api.v1 import kvstore_pb2 as pb
+
+ENGINE = Path(__file__).with_name("engine_proc.py")
+pytestmark = pytest.mark.slow
+
+
+def engine(daemon, mode, seed, num_blocks):
+    result = subprocess.run([sys.executable, str(ENGINE), str(daemon.socket), mode, str(seed), str(num_blocks)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def stats(daemon, token=""):
+    with connect(daemon.address, token=token or None) as client:
+        return client.admin.Stats(pb.StatsRequest())
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    started = []
+
+    def start(**kwargs):
+        d = new_daemon(tmp_path, **kwargs).start()
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.stop(signal.SIGKILL if d.process and d.process.poll() is None else signal.SIGTERM)
+        Path(f"/dev/shm/kvstore-test-{d.node_id}").unlink(missing_ok=True)
+
+
+def test_two_engine_processes_share_blocks(daemon):
+    d = daemon()
+    assert engine(d, "save", seed=1, num_blocks=40) == {"stored": 40}
+    assert engine(d, "save", seed=1, num_blocks=40) == {"stored": 0}  # already cached
+    assert engine(d, "load", seed=1, num_blocks=40) == {"loaded": 40, "intact": True, "lookup": 40}
+    assert engine(d, "load", seed=2, num_blocks=10) == {"loaded": 0, "intact": True, "lookup": 0}
+    s = stats(d)
+    assert s.num_blocks == 40 and s.num_sessions == 0 and s.num_leases == 0
+
+
+def test_clean_stop_and_restart_serve_blocks_from_nvme(daemon):
+    d = daemon()
+    engine(d, "save", seed=3, num_blocks=50)
+    shm = Path(d.state["host_slab"])
+    assert shm.exists() and d.socket.exists()
+    assert d.stop(signal.SIGTERM) == 0
+    assert not d.socket.exists() and not shm.exists() and not d.state_file.exists()
+    d.start()
+    s = stats(d)
+    assert s.num_blocks == 50 and s.counters["blocks_recovered"] == 50
+    assert engine(d, "load", seed=3, num_blocks=50) == {"loaded": 50, "intact": True, "lookup": 50}
+
+
+def test_a_killed_engine_leaks_no_lease(daemon):
+    d = daemon()
+    engine(d, "save", seed=4, num_blocks=8)
+    holder = subprocess.Popen([sys.executable, str(ENGINE), str(d.socket), "hold", "4", "8"], stdout=subprocess.PIPE, text=True)
+    assert json.loads(holder.stdout.readline()) == {"held": 8}
+    assert stats(d).num_leases == 1
+    holder.kill()
+    holder.wait()
+    deadline = time.monotonic() + 10
+    while stats(d).num_leases and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stats(d).num_leases == 0 and stats(d).num_sessions == 0
+
+
+def test_a_killed_daemon_leaves_a_stale_socket_that_the_next_start_reclaims(daemon):
+    d = daemon()
+    engine(d, "save", seed=5, num_blocks=4)
+    shm = Path(d.state["host_slab"])
+    d.stop(signal.SIGKILL)
+    assert d.socket.exists() and shm.exists()
+    d.start()
+    assert stats(d).node_id == d.node_id
+    assert engine(d, "save", seed=6, num_blocks=4) == {"stored": 4}
+
+
+def test_a_second_daemon_on_a_live_socket_refuses_to_start(daemon, tmp_path):
+    d = daemon()
+    twin = subprocess.run(d.command(), capture_output=True, text=True, timeout=60)
+    assert twin.returncode != 0
+    assert "another kvstore daemon is serving" in twin.stderr
+    assert stats(d).node_id == d.node_id  # the first one is untouched
+
+
+def test_bad_requests_get_clear_codes_and_the_daemon_keeps_serving(daemon):
+    d = daemon()
+    engine(d, "save", seed=7, num_blocks=4)
+    namespace = bytes.fromhex(json.loads(subprocess.run([sys.executable, "-m", "kvstore", "--address", d.address, "--json", "ls"], capture_output=True, text=True, check=True).stdout)["blocks"][0]["namespace"])
+    with connect(d.address) as client:
+        cases = [
+            (pb.LookupRequest(namespace_id=namespace, block_hashes=pb.BlockHashes(hashes=[b"x" * 15])), "INVALID_ARGUMENT"),
+            (pb.LookupRequest(namespace_id=namespace, block_hashes=pb.BlockHashes(hashes=[b"x" * 16] * 70_000)), "INVALID_ARGUMENT"),
+            (pb.LookupRequest(namespace_id=b"\x01" * 16, block_hashes=pb.BlockHashes(hashes=[b"x" * 16])), "NOT_FOUND"),
+            (pb.LookupRequest(namespace_id=b"short", block_hashes=pb.BlockHashes(hashes=[b"x" * 16])), "INVALID_ARGUMENT"),
+        ]
+        for request, code in cases:
+            with pytest.raises(ApiError) as info:
+                client.store.Lookup(request)
+            assert info.value.code == code and len(str(info.value)) > 20
+        assert client.admin.Stats(pb.StatsRequest()).num_blocks == 4
+    # garbage on the local socket gets an error frame, not a dead daemon
+    with socket.socket(socket.AF_UNIX) as raw:
+        raw.connect(str(d.socket))
+        raw.sendall(struct.pack("<I", 3) + b"\xc1\xc1\xc1")
+        length = struct.unpack("<I", raw.recv(4))[0]
+        assert b"InvalidArgument" in raw.recv(length)
+    assert engine(d, "load", seed=7, num_blocks=4)["loaded"] == 4
+
+
+def test_auth_is_enforced_when_a_token_is_configured(daemon):
+    d = daemon(token="s3cret-token")
+    with connect(d.address) as client:
+        with pytest.raises(ApiError) as info:
+            client.admin.Stats(pb.StatsRequest())
+        assert info.value.code == "UNAUTHENTICATED"
+        assert client.health() == "SERVING"  # health checks stay open for load balancers
+    with connect(d.address, token="wrong") as client:
+        with pytest.raises(ApiError):
+            client.admin.Stats(pb.StatsRequest())
+    assert stats(d, token="s3cret-token").node_id == d.node_id
+    cli = [sys.executable, "-m", "kvstore", "--address", d.address, "--json", "stats"]
+    assert subprocess.run(cli, capture_output=True, text=True).returncode == 4
+    ok = subprocess.run(cli, capture_output=True, text=True, env=dict(os.environ, KVSTORE_TOKEN="s3cret-token"))
+    assert ok.returncode == 0 and json.loads(ok.stdout)["node_id"] == d.node_id

@@ -30,9 +30,11 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.tiers
+	$(PY) -m bench.daemon
 
 bench-quick: $(STAMP)
 	$(PY) -m bench.tiers --quick
+	$(PY) -m bench.daemon --quick
 
 demo: $(STAMP)
 	$(PY) -m kvstore.demo

@@ -1,11 +1,13 @@
-"""`make demo`: a coding-agent session against kvstore's tiers, end to end on this machine.
+"""`make demo`: a coding-agent session through a real `kvstore serve`, end to end.
 
-An agent's prompt grows every turn (system prompt + tool definitions + every earlier tool
-result). Each turn the "engine" hashes the prompt into chained block keys, asks the tier
-manager for the longest cached prefix, loads those blocks (promoting any that were
-demoted to NVMe), and saves the blocks it had to compute. A small host tier forces
-demotion to NVMe; at the end the node restarts and the NVMe tier's catalogue comes back
-from the slot headers alone.
+Starts the daemon on its embedded defaults (no configuration file; only the socket and
+the NVMe directory go to a scratch folder, and the NVMe tier is capped at 1 GiB so that
+the demo does not preallocate half of your disk), then runs two engine processes turn by
+turn: the *writer* prefills each turn's growing prompt and saves its KV blocks; the
+*reader*, a second engine, finds the longest cached prefix and loads it through the
+shared-memory slab instead of recomputing it. Prints per turn what was found and where,
+and what that saves at an assumed prefill rate; then stops the daemon and removes
+everything it made.
 
     python -m kvstore.demo [--turns N] [--prefill-tokens-per-s R]
 """
@@ -13,10 +15,14 @@ from the slot headers alone.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -26,103 +32,133 @@ from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 from kvstore.tiers.base import TierKind
-from kvstore.tiers.host import HostTier, HostTierConfig
-from kvstore.tiers.manager import TierManager, TierManagerConfig
-from kvstore.tiers.nvme import NvmeTier, NvmeTierConfig
 
-MiB = 1024 * 1024
 # a small GQA model's KV: 8 layers, 4 KV heads of 128, fp16, 32-token blocks = 512 KiB/block
 LAYOUT = KVLayout(num_layers=8, num_kv_heads=4, head_dim=128, block_size=32, dtype="float16")
 NAMESPACE = Namespace("demo/agent-model", LAYOUT)
 
 
-def fake_kv(block_hash: bytes) -> torch.Tensor:
-    """Deterministic stand-in for the KV an engine would compute for a block."""
+def prompt_for_turn(turn: int) -> np.ndarray:
+    """System prompt + tool definitions, then every earlier turn's tool result."""
+    rng = np.random.default_rng(7)
+    prompt = [rng.integers(0, 32_000, 3_000)]
+    for _ in range(turn):
+        prompt.append(rng.integers(0, 32_000, int(rng.integers(400, 1_500))))
+    return np.concatenate(prompt)
+
+
+def kv_for(block_hash: bytes) -> torch.Tensor:
+    """Deterministic stand-in for the KV an engine computes for a block."""
     seed = int.from_bytes(block_hash[:8], "little") & 0x7FFF_FFFF
     return torch.randint(0, 256, (LAYOUT.block_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
-def make_manager(nvme_dir: Path, shm_name: str) -> TierManager:
-    host = HostTier(HostTierConfig(capacity_bytes=48 * MiB, name=shm_name, page_bytes=8 * MiB))
-    nvme = NvmeTier(NvmeTierConfig(directory=nvme_dir, capacity_bytes=512 * MiB, page_bytes=16 * MiB, file_bytes=128 * MiB))
-    manager = TierManager(TierManagerConfig(high_watermark=0.9, low_watermark=0.7), [host, nvme])
-    manager.register_namespace(NAMESPACE)
-    return manager
+def engine(socket_path: str, role: str, turn: int) -> None:
+    """One engine call, in its own process: the writer saves, the reader loads."""
+    from kvstore.client import KVStoreClient
 
-
-def run_turn(manager: TierManager, prompt: np.ndarray) -> dict:
+    prompt = prompt_for_turn(turn)
     hashes = chain_hashes(prompt, LAYOUT.block_size)
-    digest = NAMESPACE.digest
-    tiers_before = manager.lookup(digest, hashes)
-    num_hit = 0
-    while num_hit < len(hashes):  # a lease holds what fits in the host tier; load in rounds
-        lease = manager.acquire(digest, hashes[num_hit:])
-        if not lease.blocks:
-            break
-        for view, block_hash in zip(manager.lease_views(lease), hashes[num_hit:]):
-            if not torch.equal(view, fake_kv(block_hash)):
-                raise SystemExit("demo: a loaded block differs from what was saved — this is a bug, please report it")
-        num_hit += len(lease.blocks)
-        manager.release(lease.id)
-    missing = hashes[num_hit:]
-    parent = hashes[num_hit - 1] if num_hit else None
-    manager.put(digest, missing, [fake_kv(h) for h in missing], parent_hash=parent)
-    return {
-        "blocks": len(hashes),
-        "hit": num_hit,
-        "from_host": sum(t is TierKind.HOST for t in tiers_before[:num_hit]),
-        "from_nvme": sum(t is TierKind.NVME for t in tiers_before[:num_hit]),
-    }
+    with KVStoreClient(socket_path) as client:
+        digest = client.register_namespace(NAMESPACE)
+        found = client.lookup(digest, hashes)
+        if role == "writer":
+            missing = hashes[found.num_blocks :]
+            parent = hashes[found.num_blocks - 1] if found.num_blocks else None
+            stored = client.save(digest, missing, [kv_for(h) for h in missing], parent_hash=parent)
+            print(json.dumps({"stored": stored}))
+            return
+        into = [torch.empty(LAYOUT.block_bytes, dtype=torch.uint8) for _ in range(found.num_blocks)]
+        started = time.perf_counter()
+        loaded = client.load(digest, hashes[: found.num_blocks], into)
+        seconds = time.perf_counter() - started
+        if not all(torch.equal(t, kv_for(h)) for t, h in zip(into[:loaded], hashes)):
+            raise SystemExit("demo: a loaded block differs from what was saved — this is a bug, please report it")
+        tiers = [t.value for t in found.tiers[:loaded]]
+        print(json.dumps({"tokens": len(prompt), "loaded": loaded, "load_s": seconds, "tiers": tiers}))
+
+
+def run_engine(socket_path: Path, role: str, turn: int) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstore.demo", "--engine", role, "--socket", str(socket_path), "--turn", str(turn)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if result.returncode != 0:
+        raise SystemExit(f"demo: the {role} engine failed:\n{result.stderr}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def start_daemon(workdir: Path) -> tuple[subprocess.Popen, Path]:
+    socket_path = workdir / "kvstore.sock"
+    command = [
+        sys.executable, "-m", "kvstore", "serve",
+        "--set", f"server.socket_path={socket_path}",
+        "--set", "server.grpc_port=0",
+        "--set", "server.metrics_port=0",
+        "--set", f"nvme.directory={workdir / 'nvme'}",
+        "--set", "nvme.capacity_bytes=1GiB",
+    ]  # fmt: skip
+    log = open(workdir / "daemon.log", "wb")
+    daemon = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    state = Path(str(socket_path) + ".json")
+    deadline = time.monotonic() + 60
+    while not state.exists():
+        if daemon.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"demo: kvstore serve did not start:\n{(workdir / 'daemon.log').read_text()}")
+        time.sleep(0.1)
+    return daemon, socket_path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="kvstore demo: a growing agent session over host + NVMe tiers")
-    parser.add_argument("--turns", type=int, default=12)
+    parser = argparse.ArgumentParser(description="kvstore demo: a growing agent session through kvstore serve")
+    parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--prefill-tokens-per-s", type=float, default=10_000.0, help="assumed prefill rate of the engine")
+    parser.add_argument("--engine", choices=("writer", "reader"), help=argparse.SUPPRESS)
+    parser.add_argument("--socket", help=argparse.SUPPRESS)
+    parser.add_argument("--turn", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.engine:
+        engine(args.socket, args.engine, args.turn)
+        return
 
-    rng = np.random.default_rng(7)
     workdir = Path(tempfile.mkdtemp(prefix="kvstore-demo-"))
-    shm_name = f"kvstore-demo-{uuid.uuid4().hex[:8]}"
-    manager = make_manager(workdir / "nvme", shm_name)
-    block_bytes = LAYOUT.block_bytes
-    prompt = rng.integers(0, 32_000, 3_000)  # system prompt + tool definitions
-    total_hit_tokens = total_tokens = 0
-    print(f"kvstore demo: {LAYOUT.block_bytes // 1024} KiB blocks of {LAYOUT.block_size} tokens; host tier 48 MiB, NVMe tier 512 MiB")
-    print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'hit':>6} {'host MiB':>9} {'nvme MiB':>9} {'saved s':>8}")
+    daemon = None
     try:
+        print("starting kvstore serve on embedded defaults …", flush=True)
+        daemon, socket_path = start_daemon(workdir)
+        state = json.loads(Path(str(socket_path) + ".json").read_text())
+        print(f"daemon {state['node_id']} (pid {state['pid']}): socket {socket_path}, gRPC {state['grpc_address']}, metrics :{state['metrics_port']}")
+        block_bytes = LAYOUT.block_bytes
+        print(f"\n{LAYOUT.block_bytes // 1024} KiB KV blocks of {LAYOUT.block_size} tokens; a writer engine saves each turn, a reader engine loads it\n")
+        print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'hit':>5} {'host MiB':>9} {'nvme MiB':>9} {'load s':>7} {'saved s':>8}")
+        total_tokens = total_hit = 0
+        total_saved_s = 0.0
         for turn in range(1, args.turns + 1):
-            prompt = np.concatenate([prompt, rng.integers(0, 32_000, int(rng.integers(400, 1_500)))])
-            result = run_turn(manager, prompt)
-            hit_tokens = result["hit"] * LAYOUT.block_size
-            total_hit_tokens += hit_tokens
-            total_tokens += len(prompt)
+            run_engine(socket_path, "writer", turn)
+            read = run_engine(socket_path, "reader", turn)
+            hit_tokens = read["loaded"] * LAYOUT.block_size
+            by_tier = {kind: read["tiers"].count(kind.value) * block_bytes / 2**20 for kind in (TierKind.HOST, TierKind.NVME)}
+            saved_s = hit_tokens / args.prefill_tokens_per_s - read["load_s"]
+            total_tokens += read["tokens"]
+            total_hit += hit_tokens
+            total_saved_s += saved_s
             print(
-                f"{turn:>4} {len(prompt):>7} {hit_tokens:>7} {hit_tokens / len(prompt):>6.0%} "
-                f"{result['from_host'] * block_bytes / MiB:>9.1f} {result['from_nvme'] * block_bytes / MiB:>9.1f} "
-                f"{hit_tokens / args.prefill_tokens_per_s:>8.2f}"
+                f"{turn:>4} {read['tokens']:>7} {hit_tokens:>7} {hit_tokens / read['tokens']:>5.0%} "
+                f"{by_tier[TierKind.HOST]:>9.1f} {by_tier[TierKind.NVME]:>9.1f} {read['load_s']:>7.3f} {saved_s:>8.2f}"
             )
-        stats = {s.kind.value: s for s in manager.tier_stats()}
         print(
-            f"\nsession: {total_hit_tokens / total_tokens:.0%} of prompt tokens served from cache, "
-            f"{total_hit_tokens / args.prefill_tokens_per_s:.1f} s of prefill saved at {args.prefill_tokens_per_s:,.0f} tokens/s"
+            f"\nthe reader found {total_hit / total_tokens:.0%} of its prompt tokens in kvstore and skipped "
+            f"{total_saved_s:.1f} s of prefill at {args.prefill_tokens_per_s:,.0f} tokens/s (net of load time)"
         )
-        print(f"tiers now: host {stats['host'].num_blocks} blocks, nvme {stats['nvme'].num_blocks} blocks")
-        persisted = manager.persist()
-        print(f"planned restart: {persisted} host blocks persisted to NVMe, host tier released")
-        manager.close()
-
-        started = time.perf_counter()
-        manager = make_manager(workdir / "nvme", shm_name)
-        restart_s = time.perf_counter() - started
-        recovered = manager.counters["blocks_recovered"]
-        result = run_turn(manager, prompt)
-        print(
-            f"restart: {recovered} blocks recovered from NVMe slot headers in {restart_s:.2f} s; "
-            f"the last prompt now hits {result['hit'] * LAYOUT.block_size} of {len(prompt)} tokens"
+        stats = subprocess.run(
+            [sys.executable, "-m", "kvstore", "--socket", str(socket_path), "stats"], capture_output=True, text=True
         )
+        print("\n$ kvstore stats\n" + stats.stdout)
     finally:
-        manager.close()
+        if daemon is not None and daemon.poll() is None:
+            daemon.send_signal(signal.SIGTERM)
+            code = daemon.wait(timeout=60)
+            print(f"daemon stopped (exit {code}); removing {workdir}")
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -142,3 +142,50 @@ def test_auth_is_enforced_when_a_token_is_configured(daemon):
     assert subprocess.run(cli, capture_output=True, text=True).returncode == 4
     ok = subprocess.run(cli, capture_output=True, text=True, env=dict(os.environ, KVSTORE_TOKEN="s3cret-token"))
     assert ok.returncode == 0 and json.loads(ok.stdout)["node_id"] == d.node_id
+
+
+def test_metrics_endpoint_counts_hits_misses_and_occupancy(daemon):
+    import urllib.request
+
+    d = daemon()
+    engine(d, "save", seed=8, num_blocks=12)
+    engine(d, "load", seed=8, num_blocks=12)
+    engine(d, "load", seed=9, num_blocks=5)  # a miss
+    time.sleep(0.6)  # one housekeeping tick refreshes the tier gauges
+    text = urllib.request.urlopen(f"http://127.0.0.1:{d.state['metrics_port']}/metrics", timeout=10).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    hits = sum(v for k, v in samples.items() if k.startswith("kvstore_lookup_blocks_total{") and 'result="hit"' in k)
+    misses = sum(v for k, v in samples.items() if k.startswith("kvstore_lookup_blocks_total{") and 'result="miss"' in k)
+    assert hits >= 12 and misses >= 5
+    assert samples['kvstore_tier_blocks{tier="host"}'] == 12
+    assert samples["kvstore_stored_blocks_total"] == 12
+    assert any(k.startswith("kvstore_request_seconds_count{") and 'rpc="lookup"' in k for k in samples)
+
+
+def test_the_async_client_saves_and_loads(daemon):
+    import asyncio
+
+    import torch
+
+    from engine_proc import NAMESPACE, kv_for
+    from kvstore.client import AsyncKVStoreClient
+    from kvstore.hashing import chain_hashes
+
+    d = daemon()
+    hashes = chain_hashes(list(range(10 * 16)), 16)
+
+    async def scenario():
+        client = await AsyncKVStoreClient.connect(d.socket)
+        digest = await client.register_namespace(NAMESPACE)
+        assert await client.save(digest, hashes, [kv_for(h) for h in hashes]) == 10
+        found = await client.lookup(digest, hashes)
+        into = [torch.empty_like(kv_for(h)) for h in hashes]
+        loaded = await client.load(digest, hashes, into)
+        await client.close()
+        return found.num_blocks, loaded, all(torch.equal(t, kv_for(h)) for t, h in zip(into, hashes))
+
+    assert asyncio.run(scenario()) == (10, 10, True)

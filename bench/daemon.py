@@ -1,0 +1,161 @@
+"""Engine ↔ daemon: control round trip and data path through a real `kvstore serve`.
+
+    python -m bench.daemon [--quick] [--json]
+
+- lookup round trip of 512 block keys over the local protocol, p50/p99 (target: p50 ≤
+  200 µs), next to the same lookup through the gRPC API (why engines do not use gRPC);
+- save (reserve → copy into the shared slab → commit) and load (lease → copy out →
+  release) GB/s of 1 MiB blocks through the daemon, against a single-thread memcpy of the
+  same blocks between private tensors in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.report import Report, best_of, gbps, parse_args, timed
+from kvstore.api.client import connect
+from kvstore.api.v1 import kvstore_pb2 as pb
+from kvstore.client import KVStoreClient
+from kvstore.hashing import chain_hashes
+from kvstore.layout import KVLayout
+from kvstore.namespace import Namespace
+from kvstore.tiers.base import copy_bytes
+
+MiB = 1024 * 1024
+LOOKUP_KEYS = 512
+# 1 MiB blocks: 16 layers × K,V × 16 tokens × 8 heads × 128 dims × fp16
+LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=128, block_size=16)
+NAMESPACE = Namespace("bench/daemon-model", LAYOUT)
+# lookups only need keys; 4 KiB blocks keep 512 of them small
+LOOKUP_NAMESPACE = Namespace("bench/daemon-lookup", KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16))
+
+
+def start_daemon(workdir: Path, host_bytes: int) -> tuple[subprocess.Popen, dict]:
+    socket_path = workdir / "kvstore.sock"
+    command = [
+        sys.executable, "-m", "kvstore", "serve",
+        "--set", f"server.socket_path={socket_path}",
+        "--set", "server.grpc_port=0",
+        "--set", "server.metrics_port=-1",
+        "--set", f"host.capacity_bytes={host_bytes}",
+        "--set", "nvme.enabled=false",
+    ]  # fmt: skip
+    daemon = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(workdir / "daemon.log", "wb"))
+    state_file = Path(str(socket_path) + ".json")
+    deadline = time.monotonic() + 60
+    while not state_file.exists():
+        if daemon.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"kvstore serve did not start: {(workdir / 'daemon.log').read_text()}")
+        time.sleep(0.05)
+    return daemon, json.loads(state_file.read_text())
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    torch.set_num_threads(1)
+    total = (128 if args.quick else 512) * MiB
+    num_blocks = total // LAYOUT.block_bytes
+    lookups = 1_000 if args.quick else 5_000
+    report = Report("daemon")
+    workdir = Path(tempfile.mkdtemp(prefix="kvstore-bench-daemon-"))
+    daemon, state = start_daemon(workdir, host_bytes=total + 256 * MiB)
+    try:
+        client = KVStoreClient(state["socket"])
+        digest = client.register_namespace(NAMESPACE)
+
+        # control round trip: 512 cached keys
+        lookup_digest = client.register_namespace(LOOKUP_NAMESPACE)
+        keys = chain_hashes(np.arange(LOOKUP_KEYS * 16), 16)
+        client.save(lookup_digest, keys, [torch.zeros(LOOKUP_NAMESPACE.block_bytes, dtype=torch.uint8)] * LOOKUP_KEYS)
+        samples = []
+        for _ in range(lookups):
+            started = time.perf_counter()
+            found = client.lookup(lookup_digest, keys)
+            samples.append(time.perf_counter() - started)
+        assert found.num_blocks == LOOKUP_KEYS
+        local_p50, local_p99 = percentiles(samples)
+        grpc_samples = []
+        with connect(state["grpc_address"]) as api:
+            request = pb.LookupRequest(namespace_id=lookup_digest, block_hashes=pb.BlockHashes(hashes=keys))
+            for _ in range(lookups // 5):
+                started = time.perf_counter()
+                api.store.Lookup(request)
+                grpc_samples.append(time.perf_counter() - started)
+        grpc_p50, grpc_p99 = percentiles(grpc_samples)
+
+        # data path: distinct blocks, steady state (buffers already touched)
+        src = torch.empty(total, dtype=torch.uint8).random_(0, 256)
+        dst = torch.zeros(total, dtype=torch.uint8)
+        srcs = list(src.view(num_blocks, -1).unbind(0))
+        dsts = list(dst.view(num_blocks, -1).unbind(0))
+        hashes = chain_hashes(np.arange(num_blocks * LAYOUT.block_size) + 10_000_000, LAYOUT.block_size)
+
+        def memcpy() -> float:
+            return timed(lambda: [copy_bytes(d, s) for s, d in zip(srcs, dsts)])
+
+        baseline = best_of(3, memcpy)
+        dst.zero_()
+
+        def save() -> float:
+            with connect(state["grpc_address"]) as api:
+                api.admin.Evict(pb.EvictRequest(namespace_id=digest, block_hashes=hashes))
+            return timed(lambda: client.save(digest, hashes, srcs))
+
+        save_s = best_of(3, save)
+        load_s = best_of(3, lambda: timed(lambda: client.load(digest, hashes, dsts)))
+        assert torch.equal(dst, src), "the daemon returned different bytes"
+        client.close()
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=60)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    result = {
+        "lookup_keys": LOOKUP_KEYS,
+        "local_lookup_p50_us": local_p50 * 1e6,
+        "local_lookup_p99_us": local_p99 * 1e6,
+        "grpc_lookup_p50_us": grpc_p50 * 1e6,
+        "grpc_lookup_p99_us": grpc_p99 * 1e6,
+        "block_bytes": LAYOUT.block_bytes,
+        "total_bytes": total,
+        "memcpy_gbps": gbps(total, baseline),
+        "save_gbps": gbps(total, save_s),
+        "load_gbps": gbps(total, load_s),
+    }
+    report.results.append(result)
+    report.print_table(
+        f"lookup of {LOOKUP_KEYS} keys (µs)",
+        ["path", "p50", "p99"],
+        [["local socket", result["local_lookup_p50_us"], result["local_lookup_p99_us"]], ["gRPC", result["grpc_lookup_p50_us"], result["grpc_lookup_p99_us"]]],
+    )
+    report.print_table(
+        f"data path, {total // MiB} MiB of 1 MiB blocks (GB/s; baseline: single-thread memcpy of the same blocks)",
+        ["memcpy", "save", "load", "save/memcpy", "load/memcpy"],
+        [[result["memcpy_gbps"], result["save_gbps"], result["load_gbps"], result["save_gbps"] / result["memcpy_gbps"], result["load_gbps"] / result["memcpy_gbps"]]],
+    )
+    report.ratio("lookup_512_p50_us", result["local_lookup_p50_us"], "<= 200")
+    report.ratio("lookup_512_p99_us", result["local_lookup_p99_us"])
+    report.ratio("grpc_lookup_512_p50_us", result["grpc_lookup_p50_us"])
+    report.ratio("save_vs_memcpy", result["save_gbps"] / result["memcpy_gbps"], ">= 0.7")
+    report.ratio("load_vs_memcpy", result["load_gbps"] / result["memcpy_gbps"], ">= 0.7")
+    report.emit(args.json)
+
+
+if __name__ == "__main__":
+    main()

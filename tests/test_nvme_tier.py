@@ -1,5 +1,5 @@
 """The NVMe tier against real files: round trips, restarts, corruption, torn writes,
-a full disk, failing writes and concurrent I/O."""
+the write order, a full disk, failing writes and concurrent I/O."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +64,10 @@ def read_back(tier: NvmeTier, slot: Slot, meta: BlockMeta) -> torch.Tensor:
     out = torch.empty(meta.nbytes, dtype=torch.uint8)
     tier.read(slot, out, meta)
     return out
+
+
+def trailer_offset(slot: Slot) -> int:
+    return slot.offset + slot.nbytes - 4096
 
 
 def flip_byte(tier: NvmeTier, offset: int) -> None:
@@ -172,64 +177,100 @@ def test_a_page_whose_blocks_were_all_freed_is_free_after_restart(tmp_path):
         assert torch.equal(read_back(tier, slot, meta), data)
 
 
-def test_a_header_left_by_an_earlier_size_class_is_not_resurrected(tmp_path, monkeypatch):
-    real_pwritev = os.pwritev
-    with NvmeTier(make_config(tmp_path)) as tier:
-        first, _, _ = put(tier, 0, 200_000)
-        second, _, _ = put(tier, 1, 200_000)
-        assert second.offset == first.offset + 204_800
+def fail_clearing(real_pwritev, trailer_at: int | None = None):
+    """A pwritev that fails the write of a zeroed 4 KiB trailer (at ``trailer_at``, or anywhere)."""
 
-        def pwritev(fd, buffers, offset):
-            if offset == second.offset and not any(buffers[0]):
-                raise OSError(errno.EIO, "Input/output error")
-            return real_pwritev(fd, buffers, offset)
+    def pwritev(fd, buffers, offset):
+        if len(buffers) == 1 and not any(buffers[0]) and trailer_at in (None, offset):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_pwritev(fd, buffers, offset)
 
-        tier.free(first)
-        with monkeypatch.context() as patch:
-            patch.setattr(os, "pwritev", pwritev)
-            tier.free(second)  # its header stays on disk
-        assert tier.num_write_errors == 1
-        # the page now serves half-size slots: the third one's header lies on the stale one
-        slot, meta, _ = put(tier, 2, 98_304)
-        assert (slot.offset, slot.nbytes) == (first.offset, 102_400)
-    with NvmeTier(make_config(tmp_path)) as tier:
-        assert [entry[:2] for entry in tier.recovered()] == [(slot, meta)]
-        assert tier.num_dropped_at_start == 1
+    return pwritev
 
 
 class Crash(BaseException):
     """Stands for the process dying: nothing after it runs, no cleanup handler catches it."""
 
 
-def test_a_reused_slot_whose_header_could_not_be_cleared_never_shows_the_old_block(tmp_path, monkeypatch):
-    real_pwritev = os.pwritev
-    with NvmeTier(make_config(tmp_path)) as tier:
-        slot, _, _ = put(tier, 0, 50_000)
+def crash_after_half_of_a_block_write(real_pwritev):
+    """A pwritev that, for a block write (more than 4 KiB), writes the first half of its
+    bytes and dies: what a kill that cuts a buffered write short leaves."""
+    prefix = runpy.run_path(str(WRITER))["prefix"]
 
-        def pwritev(fd, buffers, offset):
-            if len(buffers) == 1 and not any(buffers[0]):
-                raise OSError(errno.EIO, "Input/output error")
+    def pwritev(fd, buffers, offset):
+        total = sum(len(buffer) for buffer in buffers)
+        if total <= 4096:
             return real_pwritev(fd, buffers, offset)
+        real_pwritev(fd, prefix(buffers, total // 2 // 4096 * 4096), offset)
+        raise Crash()
 
-        def fdatasync(fd):
-            raise Crash()
+    return pwritev
 
+
+def test_a_trailer_left_by_an_earlier_size_class_is_not_resurrected(tmp_path, monkeypatch):
+    with NvmeTier(make_config(tmp_path)) as tier:
+        first, _, _ = put(tier, 0, 200_000)
+        second, _, _ = put(tier, 1, 200_000)
+        assert second.offset == first.offset + 204_800
+        tier.free(first)
         with monkeypatch.context() as patch:
-            patch.setattr(os, "pwritev", pwritev)
-            tier.free(slot)  # the old block's header stays on disk
+            patch.setattr(os, "pwritev", fail_clearing(os.pwritev, trailer_offset(second)))
+            tier.free(second)  # its trailer stays on disk
+        assert tier.num_write_errors == 1
+        # the page now serves half-size slots: the fourth one's trailer lies on the stale one
+        slot, meta, _ = put(tier, 2, 98_304)
+        assert (slot.offset, slot.nbytes) == (first.offset, 102_400)
+        assert trailer_offset(Slot(first.offset + 3 * 102_400, 102_400)) == trailer_offset(second)
+    with NvmeTier(make_config(tmp_path)) as tier:
+        assert [entry[:2] for entry in tier.recovered()] == [(slot, meta)]
+        assert tier.num_dropped_at_start == 1
+
+
+@pytest.mark.parametrize("sync_writes", [False, True])
+def test_a_reused_slot_whose_trailer_could_not_be_cleared_never_shows_the_old_block(tmp_path, monkeypatch, sync_writes):
+    config = make_config(tmp_path, sync_writes=sync_writes)
+    with NvmeTier(config) as tier:
+        slot, _, _ = put(tier, 0, 50_000)
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "pwritev", fail_clearing(os.pwritev))
+            tier.free(slot)  # the old block's trailer stays on disk
         assert tier.allocate(50_000) == slot
         meta, data = make_block(1, 50_000)
         with monkeypatch.context() as patch, pytest.raises(Crash):
-            patch.setattr(os, "fdatasync", fdatasync)
-            tier.write(slot, data, meta)  # dies between the data and the header
+            patch.setattr(os, "pwritev", crash_after_half_of_a_block_write(os.pwritev))
+            tier.write(slot, data, meta)  # half of the new bytes lie under the old trailer
+    with NvmeTier(config) as tier:
+        assert tier.recovered() == []
+
+
+def test_a_stale_trailer_never_comes_back_when_its_page_is_carved_again(tmp_path, monkeypatch):
+    with NvmeTier(make_config(tmp_path)) as tier:
+        slot, _, _ = put(tier, 0, 200_000)
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "pwritev", fail_clearing(os.pwritev))
+            tier.free(slot)  # its trailer stays on disk
+        # the empty page now serves 12 KiB slots, none of whose trailers lies on the stale one
+        other, _, _ = put(tier, 1, 8_000)
+        assert other.offset == slot.offset and 204_800 % other.nbytes
+        tier.free(other)
+    # after a restart no one remembers the stale trailer; the page is carved back into
+    # 200 KiB slots and a write to the same slot dies halfway
+    with NvmeTier(make_config(tmp_path)) as tier:
+        assert tier.recovered() == [] and tier.num_dropped_at_start == 0
+        assert tier.allocate(200_000) == slot
+        meta, data = make_block(2, 200_000)
+        with monkeypatch.context() as patch, pytest.raises(Crash):
+            patch.setattr(os, "pwritev", crash_after_half_of_a_block_write(os.pwritev))
+            tier.write(slot, data, meta)
     with NvmeTier(make_config(tmp_path)) as tier:
         assert tier.recovered() == []
+        assert tier.num_dropped_at_start == 1  # older than its page header
 
 
 def test_a_flipped_data_byte_fails_the_read(tmp_path):
     with NvmeTier(make_config(tmp_path)) as tier:
         slot, meta, _ = put(tier, 0, 200_000)
-        flip_byte(tier, slot.offset + 4096 + 12_345)
+        flip_byte(tier, slot.offset + 12_345)
         dst = torch.full((meta.nbytes,), 7, dtype=torch.uint8)
         with pytest.raises(CorruptBlock, match="checksum"):
             tier.read(slot, dst, meta)
@@ -244,28 +285,28 @@ def test_reading_a_slot_as_another_block_fails(tmp_path):
         with pytest.raises(CorruptBlock, match="another block"):
             read_back(tier, slot, other)
         never_written = tier.allocate(10_000)
-        with pytest.raises(CorruptBlock, match="no valid header"):
+        with pytest.raises(CorruptBlock, match="no valid trailer"):
             read_back(tier, never_written, other)
         assert tier.num_corrupt == 2
 
 
-def test_a_flipped_header_byte_is_dropped_at_restart(tmp_path):
+def test_a_flipped_trailer_byte_is_dropped_at_restart(tmp_path):
     with NvmeTier(make_config(tmp_path)) as tier:
         written = [put(tier, index, 50_000) for index in range(3)]
-        flip_byte(tier, written[1][0].offset + 40)
+        flip_byte(tier, trailer_offset(written[1][0]) + 40)
     with NvmeTier(make_config(tmp_path)) as tier:
         assert [meta for _, meta, _ in tier.recovered()] == [written[0][1], written[2][1]]
         assert tier.num_dropped_at_start == 1
     with NvmeTier(make_config(tmp_path)) as tier:
-        assert tier.num_dropped_at_start == 0  # the dropped header was cleared
+        assert tier.num_dropped_at_start == 0  # the dropped trailer was cleared
 
 
 def test_verify_on_start_drops_blocks_whose_data_is_corrupt(tmp_path):
     with NvmeTier(make_config(tmp_path)) as tier:
         written = [put(tier, index, 50_000) for index in range(3)]
-        flip_byte(tier, written[0][0].offset + 4096 + 49_999)
+        flip_byte(tier, written[0][0].offset + 49_999)
     with NvmeTier(make_config(tmp_path)) as tier:
-        assert tier.num_recovered == 3  # headers alone cannot tell
+        assert tier.num_recovered == 3  # trailers alone cannot tell
     with NvmeTier(make_config(tmp_path, verify_on_start=True)) as tier:
         assert [meta for _, meta, _ in tier.recovered()] == [written[1][1], written[2][1]]
         assert tier.num_dropped_at_start == 1
@@ -282,8 +323,9 @@ def test_the_newest_copy_of_a_block_written_twice_wins(tmp_path):
         assert tier.num_dropped_at_start == 1
 
 
-def test_zstd_with_shuffle_round_trips_fp16_and_counts_the_ratio(tmp_path):
-    config = make_config(tmp_path, compression="zstd")
+@pytest.mark.parametrize("sync_writes", [False, True])
+def test_zstd_with_shuffle_round_trips_fp16_and_counts_the_ratio(tmp_path, sync_writes):
+    config = make_config(tmp_path, compression="zstd", sync_writes=sync_writes)
     fp16 = torch.randn(128 * 1024, generator=torch.Generator().manual_seed(0)).half().view(torch.uint8)
     noise = make_block(99, 200_000)[1]
     blocks = {"fp16": fp16, "zeros": torch.zeros(300_000, dtype=torch.uint8), "odd": fp16[:100_001].clone()}
@@ -320,7 +362,7 @@ def test_a_corrupt_compressed_block_fails_the_read(tmp_path):
         slot = tier.allocate(300_000)
         meta = make_block(0, 300_000)[0]
         tier.write(slot, torch.zeros(300_000, dtype=torch.uint8), meta)
-        flip_byte(tier, slot.offset + 4096 + 5)
+        flip_byte(tier, slot.offset + 5)
         with pytest.raises(CorruptBlock):
             read_back(tier, slot, meta)
 
@@ -350,15 +392,16 @@ def check_recovery(directory: Path, committed: set[int], uncertain: set[int]) ->
             assert torch.equal(read_back(tier, slot, meta), expected_data)
 
 
-def start_writer(directory: Path, *crash_point: str) -> subprocess.Popen:
+def start_writer(directory: Path, mode: str, *crash: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, str(WRITER), str(directory), *crash_point],
+        [sys.executable, str(WRITER), str(directory), mode, *crash],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
     )
 
 
-def test_a_killed_writer_leaves_every_committed_block_and_nothing_torn(tmp_path):
-    process = start_writer(tmp_path)
+@pytest.mark.parametrize("mode", ["nosync", "sync"])
+def test_a_killed_writer_leaves_every_committed_block_and_nothing_torn(tmp_path, mode):
+    process = start_writer(tmp_path, mode)
     lines = []
     try:
         for line in process.stdout:
@@ -379,16 +422,29 @@ def test_a_killed_writer_leaves_every_committed_block_and_nothing_torn(tmp_path)
 
 
 @pytest.mark.parametrize(
-    "crash_point",
-    [("fdatasync", "40"), ("pwritev", "100"), ("pwritev", "101"), ("pwritev", "102"), ("pwritev", "103")],
+    "crash",
+    [
+        # sync_writes: the block's bytes are written and not yet synced, or the crash
+        # falls before a data write, a trailer write, a cleared trailer or a page header
+        ("sync", "before", "fdatasync", "40"),
+        *(("sync", "before", "pwritev", str(count)) for count in range(100, 104)),
+        ("sync", "cut", "30", "half"),
+        # the default: one write per block, cut short inside its bytes or just before
+        # its trailer, as a kill can cut a buffered write; or a crash between blocks
+        ("nosync", "cut", "30", "half"),
+        ("nosync", "cut", "31", "all-but-last-4k"),
+        ("nosync", "cut", "32", "all-but-last-4k"),
+        ("nosync", "before", "pwritev", "100"),
+    ],
     ids="-".join,
 )
-def test_a_crash_between_write_steps_loses_only_the_block_being_written(tmp_path, crash_point):
-    process = start_writer(tmp_path, *crash_point)
+def test_a_crash_inside_the_write_order_loses_only_the_block_being_written(tmp_path, crash):
+    process = start_writer(tmp_path, *crash)
     stdout, stderr = process.communicate(timeout=60)
     assert process.returncode == runpy.run_path(str(WRITER))["CRASH_EXIT_STATUS"], stderr
     committed, _, _ = parse_writer_output(stdout.splitlines())
-    # the crash comes before a call, so whatever had returned was printed
+    # the crash comes inside or before a call, so whatever had returned was printed, and
+    # the block in flight must not come back
     check_recovery(tmp_path, committed, uncertain=set())
 
 
@@ -433,29 +489,121 @@ def test_a_disk_without_room_for_one_page_is_refused_with_advice(tiny_tmpfs):
         NvmeTier(make_config(tiny_tmpfs, capacity_bytes=8 * MiB, page_bytes=4 * MiB))
 
 
-@pytest.mark.parametrize("failing", ["every write", "the header write"])
-def test_a_failed_write_leaves_no_valid_header(tmp_path, monkeypatch, failing):
+@pytest.mark.parametrize(
+    "sync_writes, failing",
+    [(False, "every write"), (False, "the trailer write"), (True, "every write"), (True, "the trailer write"),
+     (True, "the sync")],
+)
+def test_a_failed_write_leaves_no_valid_trailer(tmp_path, monkeypatch, sync_writes, failing):
     real_pwritev = os.pwritev
 
     def pwritev(fd, buffers, offset):
-        if failing == "every write" or bytes(buffers[0][:4]) == b"KVSB":
+        if failing == "every write" or (failing == "the trailer write" and bytes(buffers[-1][:4]) == b"KVST"):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_pwritev(fd, buffers, offset)
 
-    with NvmeTier(make_config(tmp_path)) as tier:
+    def fdatasync(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    config = make_config(tmp_path, sync_writes=sync_writes)
+    with NvmeTier(config) as tier:
         kept = put(tier, 0, 70_000)
         meta, data = make_block(1, 70_000)
         slot = tier.allocate(70_000)
         with monkeypatch.context() as patch:
             patch.setattr(os, "pwritev", pwritev)
+            if failing == "the sync":
+                patch.setattr(os, "fdatasync", fdatasync)
             with pytest.raises(TierUnavailable, match="check that disk") as caught:
                 tier.write(slot, data, meta)
         assert isinstance(caught.value.__cause__, OSError)
         assert tier.num_write_errors == 1
         with pytest.raises(CorruptBlock):
             read_back(tier, slot, meta)
-    with NvmeTier(make_config(tmp_path)) as tier:
+        # the failure did not stick: the slot takes the block once the disk works again
+        tier.write(slot, data, meta)
+        assert torch.equal(read_back(tier, slot, meta), data)
+        tier.free(slot)
+    with NvmeTier(config) as tier:
         assert [entry[:2] for entry in tier.recovered()] == [kept[:2]]
+
+
+def record_io(monkeypatch) -> list[tuple]:
+    """Patch os.pwritev, os.preadv and os.fdatasync to log ("write", position, bytes, ends
+    with a trailer), ("read", position, bytes, address of the first buffer) and ("sync",)."""
+    calls: list[tuple] = []
+    real_pwritev, real_preadv, real_fdatasync = os.pwritev, os.preadv, os.fdatasync
+
+    def pwritev(fd, buffers, offset):
+        calls.append(("write", offset, sum(len(b) for b in buffers), bytes(buffers[-1][:4]) == b"KVST"))
+        return real_pwritev(fd, buffers, offset)
+
+    def preadv(fd, buffers, offset):
+        address = np.frombuffer(buffers[0], np.uint8).ctypes.data
+        calls.append(("read", offset, sum(len(b) for b in buffers), address))
+        return real_preadv(fd, buffers, offset)
+
+    def fdatasync(fd):
+        calls.append(("sync",))
+        return real_fdatasync(fd)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    return calls
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+@pytest.mark.parametrize("nbytes", [100_000, 262_144])
+def test_a_block_is_one_write_that_ends_with_its_trailer(tmp_path, monkeypatch, direct_io, nbytes):
+    with NvmeTier(make_config(tmp_path, direct_io=direct_io)) as tier:
+        assert tier.config.sync_writes is False
+        put(tier, 0, nbytes)  # writes the page header
+        meta, data = make_block(1, nbytes)
+        src = aligned_tensor(nbytes)
+        src.copy_(data)
+        slot = tier.allocate(nbytes)
+        calls = record_io(monkeypatch)
+        tier.write(slot, src, meta)
+        assert calls == [("write", slot.offset, slot.nbytes, True)]
+        # a read is one preadv too, straight into the caller's buffer
+        dst = aligned_tensor(nbytes)
+        tier.read(slot, dst, meta)
+        assert calls[1:] == [("read", slot.offset, slot.nbytes, dst.data_ptr())]
+        assert torch.equal(dst, data)
+
+
+def test_sync_writes_syncs_the_bytes_before_the_trailer_is_written(tmp_path, monkeypatch):
+    with NvmeTier(make_config(tmp_path, sync_writes=True)) as tier:
+        calls = record_io(monkeypatch)
+        slot, _, _ = put(tier, 0, 100_000)
+        page_header = [("write", 0, 4096, False), ("sync",)]
+        assert calls == page_header + [
+            ("write", slot.offset, slot.nbytes - 4096, False),
+            ("sync",),
+            ("write", trailer_offset(slot), 4096, True),
+        ]
+
+
+def test_concurrent_synced_writes_share_their_fdatasync_calls(tmp_path, monkeypatch):
+    real_fdatasync = os.fdatasync
+    syncs: list[int] = []
+
+    def slow_fdatasync(fd):
+        syncs.append(fd)
+        time.sleep(0.05)  # long enough that writers pile up behind a running sync
+        real_fdatasync(fd)
+
+    with NvmeTier(make_config(tmp_path, sync_writes=True, io_threads=8)) as tier:
+        put(tier, 0, 10_000)
+        blocks = [make_block(index, 10_000) for index in range(1, 33)]
+        slots = [tier.allocate(10_000) for _ in blocks]
+        monkeypatch.setattr(os, "fdatasync", slow_fdatasync)
+        for future in [tier.submit_write(slot, data, meta) for slot, (meta, data) in zip(slots, blocks)]:
+            future.result(timeout=30)
+        assert len(syncs) <= len(blocks) // 2
+        for slot, (meta, data) in zip(slots, blocks):
+            assert torch.equal(read_back(tier, slot, meta), data)
 
 
 def test_concurrent_submits_on_distinct_slots(tmp_path):

@@ -1,25 +1,31 @@
 """The NVMe tier: block bytes in preallocated slot files that survive a restart.
 
-The tier's files (``tiers/nvme_files.py``) hold pages of ``page_bytes`` laid end to end.
-Each page starts with a 4 KiB page header naming the slot size it is carved into; each
-slot is a 4 KiB slot header followed by the stored bytes padded to 4 KiB. The records
-are described in ``tiers/nvme_format.py``.
+The files (``tiers/nvme_files.py``) hold pages of ``page_bytes`` laid end to end. A page
+starts with a 4 KiB page header naming the slot size it is carved into; a slot holds the
+stored bytes, zero-padded to 4 KiB, then a 4 KiB trailer that describes them (records in
+``tiers/nvme_format.py``).
 
-Write order for one block, and why the header goes last:
+The trailer is the commit record: one that validates must describe bytes that were
+completely written, wherever the process is killed. So it goes after them:
 
-1. one ``pwritev`` puts a zeroed slot header and the stored bytes into the slot, so
-   whatever header an earlier occupant left is gone before any new byte lands;
-2. ``fdatasync`` (``sync_writes``) makes those bytes durable;
-3. the slot header is written last.
+- by default, in one ``pwritev`` of [stored bytes, trailer] at the slot's offset: one I/O
+  per block, like a raw write (a second, random 4 KiB write per block costs more than a
+  256 KiB block's own bytes). A killed call leaves a prefix of its bytes, and the trailer
+  is their end: with O_DIRECT the task waits uninterruptibly for what it submitted, so
+  SIGKILL lands once the I/O is done; buffered, the kernel copies into the page cache in
+  offset order and checks for a fatal signal only between pages. A power loss may keep a
+  trailer over bytes that never reached the disk (the page cache and the device reorder
+  writes), yet they are never served: every read checks the trailer against the caller's
+  ``BlockMeta`` and the payload against its XXH3-64, and raises CorruptBlock (a miss).
+- with ``sync_writes``: (1) the stored bytes, (2) ``fdatasync``, shared by concurrent
+  writers, (3) the trailer, so that after a power loss too a valid trailer lies only over
+  durable bytes. Nothing syncs after step 3: the newest blocks may be lost, as misses.
 
-A process killed anywhere before step 3 completes leaves a zero or torn header, which
-fails its checksum, so the restart drops the slot: a header that validates always
-describes bytes that reached the file. Before the first slot of a newly assigned page is
-written, its page header is written and synced, so a restart knows where that page's
-slot headers are. ``free`` zeroes the slot header so a freed block is not resurrected.
-Nothing syncs after step 3: a power loss may lose the newest blocks (a miss), never
-expose torn bytes, because every read checks the header against the caller's
-``BlockMeta`` and the payload against its XXH3-64.
+``free`` zeroes the trailer, so a freed block is not resurrected and no valid trailer lies
+over a slot's next bytes while they land; if that write fails, the slot's next write
+zeroes it first. A page header is written (and synced with ``sync_writes``) before the
+first slot of each carving of its page, with a fresh ``seq``; a restart takes only
+trailers newer than their page header, so none from an earlier carving comes back.
 
 Threads: ``allocate``, ``free`` and ``stats`` belong to the owner (the tier manager);
 ``write`` and ``read`` may run at once on distinct slots, from the tier's own pool
@@ -46,16 +52,18 @@ from kvstore.tiers.base import BlockMeta, Tier, TierKind, TierStats
 from kvstore.tiers.nvme_files import IO_ALIGN, SlotFiles
 from kvstore.tiers.nvme_format import (
     HEADER_BYTES,
+    TRAILER_BYTES,
     PageHeader,
     PayloadCodec,
-    SlotHeader,
+    SlotTrailer,
     decode_page_header,
-    decode_slot_header,
+    decode_slot_trailer,
     encode_page_header,
-    encode_slot_header,
-    looks_like_slot_header,
+    encode_slot_trailer,
+    looks_like_slot_trailer,
+    newest_copies,
 )
-from kvstore.tiers.slab import SlabAllocator, Slot
+from kvstore.tiers.slab import SlabAllocator, Slot, round_up
 
 __all__ = ["NvmeTierConfig", "NvmeTier"]
 
@@ -71,10 +79,14 @@ Recovered = tuple[Slot, BlockMeta, int]
 @dataclass(frozen=True, slots=True)
 class NvmeTierConfig:
     """``capacity_bytes`` and ``file_bytes`` are used in whole pages (rounded down); a
-    block must fit in one page with its 4 KiB slot header and the page's 4 KiB header.
-    ``sync_writes`` syncs each block's bytes before its header is written: without it a
-    crash of the machine (not of the process) may leave a header over bytes that never
-    reached the disk, which reads then reject as corrupt."""
+    block must fit in one page with its 4 KiB slot trailer and the page's 4 KiB header.
+
+    ``sync_writes`` trades put throughput for power-loss durability. Off (the default),
+    a block is one write, data then trailer, and a killed process never leaves a valid
+    trailer over incomplete bytes; a power loss may, and reads then reject the block as
+    corrupt (a miss), since the cache can always recompute it. On, each block's bytes
+    are synced before its trailer is written (three I/Os, the sync shared by concurrent
+    writers), so a trailer that survives a power loss describes bytes that did too."""
 
     directory: Path
     capacity_bytes: int
@@ -83,7 +95,7 @@ class NvmeTierConfig:
     compression: str = "none"
     compression_level: int = 3
     direct_io: bool = True
-    sync_writes: bool = True
+    sync_writes: bool = False
     io_threads: int = 4
     verify_on_start: bool = False
 
@@ -98,10 +110,8 @@ class NvmeTierConfig:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"NvmeTierConfig.{name} must be true or false, got {getattr(self, name)!r}.")
         if self.page_bytes % IO_ALIGN or not 3 * IO_ALIGN <= self.page_bytes <= _MAX_PAGE_BYTES:
-            raise InvalidArgument(
-                f"NvmeTierConfig.page_bytes must be a multiple of {IO_ALIGN} between {3 * IO_ALIGN} and "
-                f"{_MAX_PAGE_BYTES}, got {self.page_bytes}."
-            )
+            raise InvalidArgument(f"NvmeTierConfig.page_bytes must be a multiple of {IO_ALIGN} between "
+                                  f"{3 * IO_ALIGN} and {_MAX_PAGE_BYTES}, got {self.page_bytes}.")
         if self.capacity_bytes < self.page_bytes:
             raise InvalidArgument(
                 f"NvmeTierConfig.capacity_bytes ({self.capacity_bytes}) must hold at least one page of "
@@ -112,9 +122,8 @@ class NvmeTierConfig:
         if self.compression not in ("none", "zstd"):
             raise InvalidArgument(f"NvmeTierConfig.compression must be 'none' or 'zstd', got {self.compression!r}.")
         if not 1 <= self.compression_level <= 22:
-            raise InvalidArgument(
-                f"NvmeTierConfig.compression_level must lie in [1, 22], got {self.compression_level}."
-            )
+            raise InvalidArgument(f"NvmeTierConfig.compression_level must lie in [1, 22], got "
+                                  f"{self.compression_level}.")
         if not 1 <= self.io_threads <= 256:
             raise InvalidArgument(f"NvmeTierConfig.io_threads must lie in [1, 256], got {self.io_threads}.")
 
@@ -136,8 +145,8 @@ class NvmeTier(Tier):
         self.num_read_errors = 0
         self.bytes_in = 0
         self.bytes_stored = 0
-        # _lock guards the allocator, the counters and _next_seq; _page_header_lock
-        # serialises page-header writes, which hold it across an fdatasync
+        # _lock guards the allocator, the counters, _next_seq and _uncleared;
+        # _page_header_lock serialises page-header writes, which hold it across an fdatasync
         self._lock = threading.Lock()
         self._page_header_lock = threading.Lock()
         self._codec = PayloadCodec(config.compression_level)
@@ -154,6 +163,8 @@ class NvmeTier(Tier):
         # page index -> the slot size its on-disk page header names
         self._page_header_slot_bytes: dict[int, int] = {}
         self._next_seq = 1
+        # slots whose trailer may still validate for a block freed or dropped
+        self._uncleared: set[Slot] = set()
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-nvme")
         try:
             self._recovered = self._rebuild()
@@ -163,11 +174,11 @@ class NvmeTier(Tier):
 
     # -- the Tier interface ---------------------------------------------------------
     def slot_bytes_for(self, nbytes: int) -> int:
-        """Slot bytes a block of ``nbytes`` takes: its header plus the payload rounded up
-        to 4 KiB. Compression shrinks the I/O, never the slot (slots are allocated first)."""
+        """Slot bytes a block of ``nbytes`` takes: the payload rounded up to 4 KiB plus its
+        trailer. Compression shrinks reads, never the slot (slots are allocated first)."""
         if nbytes <= 0:
             raise InvalidArgument(f"a block must have at least one byte, got {nbytes}.")
-        return self._allocator.slot_bytes_for(HEADER_BYTES + nbytes)
+        return self._allocator.slot_bytes_for(TRAILER_BYTES + nbytes)
 
     def can_allocate(self, nbytes: int) -> bool:
         slot_bytes = self.slot_bytes_for(nbytes)
@@ -184,12 +195,12 @@ class NvmeTier(Tier):
 
     def free(self, slot: Slot) -> None:
         self._check_slot(slot)
-        if not self._zero_header(slot):
+        if not self._clear_trailer(slot):
             # the block may come back after a restart; every read still verifies it
             with self._lock:
                 self.num_write_errors += 1
             logger.warning(
-                "Could not clear the NVMe slot header at %d in %s.", slot.offset, self._files.path_of(slot.offset)
+                "Could not clear the NVMe slot trailer of %d in %s.", slot.offset, self._files.path_of(slot.offset)
             )
         with self._lock:
             self._allocator.free(slot)
@@ -200,26 +211,36 @@ class NvmeTier(Tier):
         self._check_slot(slot, meta)
         checksum = xxhash.xxh3_64_intdigest(payload)
         flags, stored = self._codec.encode(payload) if self.config.compression == "zstd" else (0, payload)
-        with self._lock:
-            seq = self._next_seq
-            self._next_seq += 1
+        trailer_offset = slot.offset + slot.nbytes - TRAILER_BYTES
         try:
+            # before this block's seq is taken: a restart takes only trailers newer than their page header
             self._write_page_header(slot)
-            self._files.write(slot.offset, [self._files.zeros], stored)
+            with self._lock:
+                seq = self._next_seq
+                self._next_seq += 1
+                uncleared = slot in self._uncleared
+            if uncleared:  # its old trailer must not lie over the new bytes as they land
+                self._files.write(trailer_offset, [self._files.zeros])
+            trailer = self._files.header_buffer()
+            encode_slot_trailer(SlotTrailer(meta, slot.offset, stored.size, checksum, seq, flags), trailer)
             if self.config.sync_writes:
+                self._files.write_slot(slot.offset, stored, round_up(stored.size, IO_ALIGN), None)
                 self._files.sync(slot.offset)
-            header = self._files.header_buffer()
-            encode_slot_header(SlotHeader(meta, slot.offset, stored.size, checksum, seq, flags), header)
-            self._files.write(slot.offset, [header])
+                self._files.write(trailer_offset, [trailer])
+            else:
+                # zstd output is zero-padded up to the trailer so the trailer still follows
+                # in the same call: compression shrinks reads, not this write
+                self._files.write_slot(slot.offset, stored, trailer_offset - slot.offset, trailer)
         except OSError as exc:
             with self._lock:
                 self.num_write_errors += 1
-            self._zero_header(slot)
+            self._clear_trailer(slot)
             raise TierUnavailable(
                 f"Writing a block to {self._files.path_of(slot.offset)} failed ({exc.strerror or exc}); "
                 "check that disk's health and free space."
             ) from exc
         with self._lock:
+            self._uncleared.discard(slot)
             self.bytes_in += payload.size
             self.bytes_stored += stored.size
 
@@ -249,7 +270,7 @@ class NvmeTier(Tier):
         return self._executor.submit(self.read, slot, dst, meta)
 
     def recovered(self) -> list[Recovered]:
-        """Blocks whose slot header verified at start (and their bytes, with
+        """Blocks whose slot trailer verified at start (and their bytes, with
         verify_on_start), as (slot, meta, payload XXH3-64), by offset. Reads verify anyway."""
         return list(self._recovered)
 
@@ -273,40 +294,34 @@ class NvmeTier(Tier):
             scans = list(self._executor.map(self._scan_page, range(self._allocator.num_pages)))
         except OSError as exc:
             raise TierUnavailable(
-                f"Reading the NVMe tier's headers in {self.config.directory} failed ({exc.strerror or exc}); "
+                f"Reading the NVMe tier's records in {self.config.directory} failed ({exc.strerror or exc}); "
                 "check that disk's health, or move the directory aside to start empty."
             ) from exc
-        newest: dict[tuple[bytes, bytes], tuple[Slot, SlotHeader]] = {}
+        found: list[tuple[Slot, SlotTrailer]] = []
         dropped: list[Slot] = []
-        for page_index, page_slot_bytes, found, unusable in scans:
-            if page_slot_bytes is not None:
-                self._page_header_slot_bytes[page_index] = page_slot_bytes
+        for page_index, page, in_page, unusable in scans:
+            if page is not None:
+                self._page_header_slot_bytes[page_index] = page.slot_bytes
+                self._next_seq = max(self._next_seq, page.seq + 1)
+            found += in_page
             dropped += unusable
-            for slot, header in found:
-                self._next_seq = max(self._next_seq, header.seq + 1)
-                key = (header.meta.namespace, header.meta.block_hash)
-                kept = newest.get(key)
-                if kept is not None and kept[1].seq > header.seq:
-                    dropped.append(slot)
-                    continue
-                if kept is not None:
-                    dropped.append(kept[0])
-                newest[key] = (slot, header)
+        self._next_seq = max([self._next_seq] + [trailer.seq + 1 for _, trailer in found])
+        newest, older = newest_copies(found)
+        dropped += older
         # zero what is dropped, so that it cannot come back once the copy kept is freed
         for slot in dropped:
-            self._zero_header(slot)
+            self._clear_trailer(slot)
         offsets_by_page: dict[int, list[int]] = defaultdict(list)
-        for slot, _ in newest.values():
+        for slot, _ in newest:
             offsets_by_page[slot.offset // self.page_bytes].append(slot.offset)
         for page_index, offsets in offsets_by_page.items():
             self._allocator.restore_page(page_index, self._page_header_slot_bytes[page_index], offsets)
         self.num_dropped_at_start = len(dropped)
         self.num_blocks = self.num_recovered = len(newest)
-        recovered = [(slot, header.meta, header.payload_checksum) for slot, header in newest.values()]
-        return sorted(recovered, key=lambda entry: entry[0].offset)
+        return sorted((slot, trailer.meta, trailer.payload_checksum) for slot, trailer in newest)
 
-    def _scan_page(self, page_index: int) -> tuple[int, int | None, list[tuple[Slot, SlotHeader]], list[Slot]]:
-        """(page, slot size its header names, slots with a valid header, slots to drop)."""
+    def _scan_page(self, page_index: int) -> tuple[int, PageHeader | None, list[tuple[Slot, SlotTrailer]], list[Slot]]:
+        """(page, its header if valid, slots with a valid trailer, slots to drop)."""
         buffer = self._files.header_buffer()
         self._files.read(page_index * self.page_bytes, [buffer])
         page = decode_page_header(buffer)
@@ -315,25 +330,25 @@ class NvmeTier(Tier):
         slot_bytes = page.slot_bytes
         if slot_bytes % IO_ALIGN or not 2 * IO_ALIGN <= slot_bytes <= self.page_bytes - HEADER_BYTES:
             return page_index, None, [], []
-        found: list[tuple[Slot, SlotHeader]] = []
+        found: list[tuple[Slot, SlotTrailer]] = []
         unusable: list[Slot] = []
         first = page_index * self.page_bytes + HEADER_BYTES
         for offset in range(first, first + self._allocator.slots_per_page(slot_bytes) * slot_bytes, slot_bytes):
             slot = Slot(offset, slot_bytes)
-            self._files.read(offset, [buffer])
-            header = decode_slot_header(buffer)
-            if header is None:
-                if looks_like_slot_header(buffer):  # torn or corrupt, not merely empty
+            self._files.read(offset + slot_bytes - TRAILER_BYTES, [buffer])
+            trailer = decode_slot_trailer(buffer)
+            if trailer is None:
+                if looks_like_slot_trailer(buffer):  # torn or corrupt, not merely empty
                     unusable.append(slot)
                 continue
-            if not self._fits(header, slot) or (
+            if not trailer.fits(offset, slot_bytes) or trailer.seq <= page.seq or (
                 self.config.verify_on_start
-                and self._read_verified(slot, np.empty(header.meta.nbytes, np.uint8), header.meta) is not None
+                and self._read_verified(slot, np.empty(trailer.meta.nbytes, np.uint8), trailer.meta) is not None
             ):
                 unusable.append(slot)
                 continue
-            found.append((slot, header))
-        return page_index, slot_bytes, found, unusable
+            found.append((slot, trailer))
+        return page_index, page, found, unusable
 
     # -- slots and verification -----------------------------------------------------
     def _check_slot(self, slot: Slot, meta: BlockMeta | None = None) -> None:
@@ -352,37 +367,31 @@ class NvmeTier(Tier):
                 f"{slot.nbytes}; allocate its slot with allocate(meta.nbytes)."
             )
 
-    def _fits(self, header: SlotHeader, slot: Slot) -> bool:
-        """Whether a checksummed header is plausible for ``slot``; this also rejects a
-        header left under the page by an earlier size class."""
-        if header.slot_offset != slot.offset or not header.is_consistent():
-            return False
-        try:
-            return self.slot_bytes_for(header.meta.nbytes) == slot.nbytes
-        except InvalidArgument:
-            return False
-
     def _read_verified(self, slot: Slot, out: np.ndarray, meta: BlockMeta) -> str | None:
         """Read the block in ``slot`` into ``out``; None when it verified, else what was wrong."""
-        header_buffer = self._files.header_buffer()
-        # an uncompressed payload sits right after its header, so one read fetches both;
-        # with compression on, the header says how much to read
+        trailer_buffer = self._files.header_buffer()
+        area_bytes = slot.nbytes - TRAILER_BYTES
+        # a raw payload fills the area before its trailer, so one read fetches both;
+        # with compression on, the trailer says how much to read
         data_read = self.config.compression == "none"
-        self._files.read(slot.offset, [header_buffer], out if data_read else None)
-        header = decode_slot_header(header_buffer)
-        if header is None:
-            return "has no valid header (never written, torn, or overwritten)"
-        if header.meta != meta:
-            return f"holds another block ({header.meta.block_hash.hex()}) than the one asked for"
-        if not self._fits(header, slot):
-            return "has a header whose lengths do not fit the slot"
-        if header.compressed:
-            stored = self._files.read_scratch(slot.offset + HEADER_BYTES, header.stored_len)
-            if not self._codec.decode(header.flags, memoryview(stored), out):
+        if data_read:
+            self._files.read_slot(slot.offset, out, area_bytes, trailer_buffer)
+        else:
+            self._files.read(slot.offset + area_bytes, [trailer_buffer])
+        trailer = decode_slot_trailer(trailer_buffer)
+        if trailer is None:
+            return "has no valid trailer (never written, torn, or overwritten)"
+        if trailer.meta != meta:
+            return f"holds another block ({trailer.meta.block_hash.hex()}) than the one asked for"
+        if not trailer.fits(slot.offset, slot.nbytes):
+            return "has a trailer whose lengths do not fit the slot"
+        if trailer.compressed:
+            stored = self._files.read_scratch(slot.offset, trailer.stored_len)
+            if not self._codec.decode(trailer.flags, memoryview(stored), out):
                 return "does not decompress to its recorded length"
         elif not data_read:
-            self._files.read(slot.offset + HEADER_BYTES, [], out)
-        if xxhash.xxh3_64_intdigest(out) != header.payload_checksum:
+            self._files.read_slot(slot.offset, out, area_bytes, None)
+        if xxhash.xxh3_64_intdigest(out) != trailer.payload_checksum:
             return "failed its checksum"
         return None
 
@@ -393,18 +402,26 @@ class NvmeTier(Tier):
         with self._page_header_lock:
             if self._page_header_slot_bytes.get(page_index) == slot.nbytes:
                 return
+            with self._lock:
+                seq = self._next_seq
+                self._next_seq += 1
             buffer = self._files.header_buffer()
-            encode_page_header(PageHeader(page_index, self.page_bytes, slot.nbytes), buffer)
+            encode_page_header(PageHeader(page_index, self.page_bytes, slot.nbytes, seq), buffer)
             self._files.write(page_index * self.page_bytes, [buffer])
             if self.config.sync_writes:
                 self._files.sync(page_index * self.page_bytes)
             self._page_header_slot_bytes[page_index] = slot.nbytes
 
-    def _zero_header(self, slot: Slot) -> bool:
+    def _clear_trailer(self, slot: Slot) -> bool:
+        """Zero the slot's trailer; when that fails, remember to before its next write."""
         try:
-            self._files.write(slot.offset, [self._files.zeros])
+            self._files.write(slot.offset + slot.nbytes - TRAILER_BYTES, [self._files.zeros])
         except OSError:
+            with self._lock:
+                self._uncleared.add(slot)
             return False
+        with self._lock:
+            self._uncleared.discard(slot)
         return True
 
 

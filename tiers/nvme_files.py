@@ -10,6 +10,12 @@ uses O_DIRECT when the filesystem takes it, so cold KV does not evict the page c
 O_DIRECT needs every buffer address and length 4 KiB-aligned: a caller's array that is
 aligned is read or written in place (zero-copy), its unaligned tail or an unaligned
 array goes through a per-thread bounce buffer (an anonymous mmap, hence page-aligned).
+A block can move in one call: its slot's data area (the caller's bytes, zero-padded) and
+the 4 KiB trailer right after it are the iovecs of one ``pwritev`` or ``preadv``.
+
+``sync`` is a group commit: a caller needs an ``fdatasync`` that started after its writes
+returned, and any such call serves every caller waiting for it, so concurrent writers
+share one sync instead of queueing one each.
 
 Owner: the NVMe tier. Every method but ``close`` may run on several threads at once.
 """
@@ -45,6 +51,7 @@ class SlotFiles:
         self.paths: list[Path] = []
         self.zeros = memoryview(mmap.mmap(-1, IO_ALIGN))  # never written to
         self._fds: list[int] = []
+        self._group_syncs: list[_GroupSync] = []
         self._closed = False
         self._local = threading.local()  # this thread's header and bounce buffers
         try:
@@ -70,50 +77,40 @@ class SlotFiles:
         return self.paths[offset // self.file_bytes]
 
     def header_buffer(self) -> memoryview:
-        """This thread's aligned 4 KiB buffer for one header."""
+        """This thread's aligned 4 KiB buffer for one header or trailer."""
         buffer = getattr(self._local, "header", None)
         if buffer is None:
             buffer = self._local.header = memoryview(mmap.mmap(-1, IO_ALIGN))
         return buffer
 
-    def write(self, offset: int, leading: list[memoryview], data: np.ndarray | None = None) -> None:
-        """Write the aligned ``leading`` buffers, then ``data`` padded to 4 KiB, at ``offset``."""
+    def write(self, offset: int, buffers: list[memoryview]) -> None:
+        """Write ``buffers`` in order at ``offset`` (with O_DIRECT: aligned 4 KiB multiples)."""
         fd, position = self._locate(offset)
-        iovecs = list(leading)
-        if data is not None and not self.uses_direct_io:
-            iovecs.append(memoryview(data))
-        elif data is not None:
-            size = data.size
-            direct = _aligned_prefix(data)
-            if direct:
-                iovecs.append(memoryview(data)[:direct])
-            if direct < size:
-                bounce = self._bounce(round_up(size - direct, IO_ALIGN))
-                bounce[: size - direct] = data[direct:]
-                bounce[size - direct :] = 0
-                iovecs.append(memoryview(bounce))
-        expected = sum(len(iovec) for iovec in iovecs)
-        if os.pwritev(fd, iovecs, position) != expected:
+        if os.pwritev(fd, buffers, position) != sum(len(buffer) for buffer in buffers):
             raise OSError(errno.EIO, "short write")
 
-    def read(self, offset: int, leading: list[memoryview], out: np.ndarray | None = None) -> None:
-        """Fill the aligned ``leading`` buffers, then ``out``, from ``offset``."""
+    def write_slot(self, offset: int, data: np.ndarray, area_bytes: int, trailer: memoryview | None) -> None:
+        """One ``pwritev`` at ``offset``: ``data`` zero-padded to ``area_bytes`` (a 4 KiB
+        multiple), then ``trailer`` when given. Bytes go in offset order, so the trailer
+        is the last of them."""
+        iovecs, direct, bounce = self._area_iovecs(data, area_bytes)
+        if bounce is not None:
+            tail = data.size - direct
+            bounce[:tail] = data[direct:]
+            bounce[tail:] = 0
+        self.write(offset, iovecs if trailer is None else [*iovecs, trailer])
+
+    def read(self, offset: int, buffers: list[memoryview]) -> None:
+        """Fill ``buffers`` in order from ``offset`` (with O_DIRECT: aligned 4 KiB multiples)."""
         fd, position = self._locate(offset)
-        iovecs = list(leading)
-        bounce = None
-        direct = 0
-        if out is not None and not self.uses_direct_io:
-            iovecs.append(memoryview(out))
-        elif out is not None:
-            direct = _aligned_prefix(out)
-            if direct:
-                iovecs.append(memoryview(out)[:direct])
-            if direct < out.size:
-                bounce = self._bounce(round_up(out.size - direct, IO_ALIGN))
-                iovecs.append(memoryview(bounce))
-        expected = sum(len(iovec) for iovec in iovecs)
-        if os.preadv(fd, iovecs, position) != expected:
+        if os.preadv(fd, buffers, position) != sum(len(buffer) for buffer in buffers):
             raise OSError(errno.EIO, "short read: the slot file is shorter than the tier expects")
+
+    def read_slot(self, offset: int, out: np.ndarray, area_bytes: int, trailer: memoryview | None) -> None:
+        """One ``preadv`` at ``offset``: ``out`` and the rest of its ``area_bytes``, then
+        ``trailer`` when given."""
+        iovecs, direct, bounce = self._area_iovecs(out, area_bytes)
+        self.read(offset, iovecs if trailer is None else [*iovecs, trailer])
         if bounce is not None:
             out[direct:] = bounce[: out.size - direct]
 
@@ -125,8 +122,9 @@ class SlotFiles:
         return bounce[:nbytes]
 
     def sync(self, offset: int) -> None:
-        fd, _ = self._locate(offset)
-        os.fdatasync(fd)
+        """Return once every write that returned before this call is durable."""
+        self._locate(offset)
+        self._group_syncs[offset // self.file_bytes].sync()
 
     def close(self) -> None:
         self._closed = True
@@ -152,6 +150,7 @@ class SlotFiles:
             if num_fitted == 0:
                 break
             self._fds.append(self._open_for_io(path))
+            self._group_syncs.append(_GroupSync(self._fds[-1]))
             self.paths.append(path)
             num_pages += num_fitted
             if num_fitted < num_here:
@@ -200,11 +199,59 @@ class SlotFiles:
         file_index, position = divmod(offset, self.file_bytes)
         return self._fds[file_index], position
 
+    def _area_iovecs(self, array: np.ndarray, area_bytes: int) -> tuple[list[memoryview], int, np.ndarray | None]:
+        """(iovecs covering ``area_bytes`` from ``array`` on, bytes of ``array`` they use
+        in place, the bounce buffer that stands for the rest). O_DIRECT uses the aligned
+        prefix of the array in place; buffered I/O the whole array."""
+        direct = _aligned_prefix(array) if self.uses_direct_io else array.size
+        iovecs = [memoryview(array)[:direct]] if direct else []
+        bounce = self._bounce(area_bytes - direct) if direct < area_bytes else None
+        if bounce is not None:
+            iovecs.append(memoryview(bounce))
+        return iovecs, direct, bounce
+
     def _bounce(self, nbytes: int) -> np.ndarray:
         bounce = getattr(self._local, "bounce", None)
         if bounce is None or bounce.size < nbytes:
             bounce = self._local.bounce = np.frombuffer(mmap.mmap(-1, round_up(nbytes, 1 << 20)), np.uint8)
         return bounce[:nbytes]
+
+
+class _GroupSync:
+    """``fdatasync`` of one file shared among concurrent callers; at most one runs at a time."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._done = threading.Condition()
+        # syncs are numbered 1, 2, …; _done guards these three
+        self._num_started = 0
+        self._num_finished = 0
+        self._last_failed = 0
+
+    def sync(self) -> None:
+        with self._done:
+            # one already running may have started before this caller's writes returned
+            wanted = self._num_started + 1
+            while self._num_finished < wanted and self._num_started > self._num_finished:
+                self._done.wait()
+            if self._num_finished >= wanted:
+                if self._last_failed >= wanted:
+                    # a failed fdatasync may drop dirty pages that the next one then
+                    # reports as clean, so a failure from the sync that served this caller
+                    # on fails it (a later one's too: rare, and never wrongly durable)
+                    raise OSError(errno.EIO, "an fdatasync shared with another writer failed")
+                return
+            self._num_started = wanted
+        failed = True
+        try:
+            os.fdatasync(self._fd)
+            failed = False
+        finally:
+            with self._done:
+                self._num_finished = wanted
+                if failed:
+                    self._last_failed = wanted
+                self._done.notify_all()
 
 
 def _aligned_prefix(array: np.ndarray) -> int:

@@ -1,30 +1,39 @@
-"""The NVMe tier's on-disk format: page headers, slot headers and payload encoding.
+"""The NVMe tier's on-disk format: page headers, slot trailers and payload encoding.
 
 A tier's address space is cut into pages (``page_bytes``); the pages are laid end to end
 over the slot files, ``file_bytes`` per file, so a page never straddles two files::
 
     page  = [page header, 4 KiB][slot][slot] … (unused tail)
-    slot  = [slot header, 4 KiB][stored bytes, padded to 4 KiB]
+    slot  = [stored bytes, zero-padded to the slot's data area][slot trailer, 4 KiB]
 
-Both headers are fixed little-endian ``struct`` records (never pickle) at the start of a
+The data area is the block's size rounded up to 4 KiB, so a raw block fills it and the
+trailer sits at ``slot_offset + slot_bytes - 4096``. The trailer is the slot's commit
+record and comes after the bytes it describes, so that one write in offset order puts it
+last (``tiers/nvme.py`` says why that matters).
+
+Both records are fixed little-endian ``struct`` records (never pickle) at the start of a
 zero-padded 4 KiB block, and each ends with the XXH3-64 of the bytes before it:
 
-    page header  magic "KVPG", version u16, reserved u16, page_index u64, page_bytes u64,
-                 slot_bytes u64 (the size class the page is carved into), checksum u64
-    slot header  magic "KVSB", version u16, flags u16, namespace 16s, block_hash 16s,
-                 parent_hash 16s (zeros and FLAG_NO_PARENT when None), slot_offset u64,
-                 payload_len u64 (original bytes), stored_len u64 (bytes on disk),
-                 payload_checksum u64 (XXH3-64 of the original bytes), seq u64,
-                 checksum u64
+    page header   magic "KVPG", version u16, reserved u16, page_index u64, page_bytes u64,
+                  slot_bytes u64 (the size class the page is carved into), seq u64,
+                  checksum u64
+    slot trailer  magic "KVST", version u16, flags u16, namespace 16s, block_hash 16s,
+                  parent_hash 16s (zeros and FLAG_NO_PARENT when None), slot_offset u64,
+                  payload_len u64 (original bytes), stored_len u64 (bytes on disk),
+                  payload_checksum u64 (XXH3-64 of the original bytes), seq u64,
+                  checksum u64
 
-``slot_offset`` and ``page_index`` name the place the header was written for, so a header
+``slot_offset`` and ``page_index`` name the place the record was written for, so a record
 that lands somewhere else (a misdirected write) never validates. ``seq`` orders writes:
-when a restart finds the same block twice, the newer copy wins.
+when a restart finds the same block twice, the newer copy wins; and a page header takes a
+fresh ``seq`` each time its page is carved, so a trailer older than its page header is
+left over from an earlier carving.
 
 Payloads are stored raw or, with FLAG_ZSTD, zstd-compressed; FLAG_SHUFFLE2 means the
 bytes were shuffled before compression (all low bytes of the 2-byte elements, then all
 high bytes), which groups the exponent bytes of fp16/bf16 values so zstd finds them.
-Changing any record is a format change: bump FORMAT_VERSION.
+Changing any record is a format change: bump FORMAT_VERSION. Version 1 had the slot
+record in front of the data; pages of another version are ignored at start.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Iterable, NamedTuple, TypeVar
 
 import numpy as np
 import xxhash
@@ -44,36 +53,41 @@ from kvstore.tiers.base import BlockMeta
 __all__ = [
     "FORMAT_VERSION",
     "HEADER_BYTES",
+    "TRAILER_BYTES",
     "FLAG_ZSTD",
     "FLAG_SHUFFLE2",
     "FLAG_NO_PARENT",
-    "SlotHeader",
+    "SlotTrailer",
     "PageHeader",
-    "encode_slot_header",
-    "decode_slot_header",
-    "looks_like_slot_header",
+    "encode_slot_trailer",
+    "decode_slot_trailer",
+    "looks_like_slot_trailer",
     "encode_page_header",
     "decode_page_header",
+    "newest_copies",
     "PayloadCodec",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_BYTES = 4096
+TRAILER_BYTES = 4096
 
 FLAG_ZSTD = 1
 FLAG_SHUFFLE2 = 2
 FLAG_NO_PARENT = 4
 
-_SLOT_MAGIC = b"KVSB"
+_SLOT_MAGIC = b"KVST"
 _PAGE_MAGIC = b"KVPG"
 _SLOT = struct.Struct(f"<4sHH{HASH_BYTES}s{HASH_BYTES}s{HASH_BYTES}sQQQQQ")
-_PAGE = struct.Struct("<4sHHQQQ")
+_PAGE = struct.Struct("<4sHHQQQQ")
 _CHECKSUM = struct.Struct("<Q")
 _NO_PARENT = bytes(HASH_BYTES)
 
+Place = TypeVar("Place")
+
 
 @dataclass(frozen=True, slots=True)
-class SlotHeader:
+class SlotTrailer:
     meta: BlockMeta
     slot_offset: int
     stored_len: int
@@ -85,25 +99,30 @@ class SlotHeader:
     def compressed(self) -> bool:
         return bool(self.flags & FLAG_ZSTD)
 
-    def is_consistent(self) -> bool:
-        """Lengths agree with the flags: raw bytes are stored whole, compressed ones shrink."""
-        if self.meta.nbytes <= 0 or self.stored_len <= 0:
+    def fits(self, slot_offset: int, slot_bytes: int) -> bool:
+        """Whether this (checksummed) trailer can be that of the slot at ``slot_offset``: it
+        names that slot, its block takes ``slot_bytes`` (which rejects a trailer left in the
+        page by an earlier size class), and its lengths agree with its flags (raw bytes are
+        stored whole, compressed ones shrink)."""
+        nbytes = self.meta.nbytes
+        if self.slot_offset != slot_offset or nbytes <= 0 or slot_bytes != TRAILER_BYTES + _units(nbytes) * 4096:
             return False
         if self.compressed:
-            return self.stored_len < self.meta.nbytes
-        return self.stored_len == self.meta.nbytes and not self.flags & FLAG_SHUFFLE2
+            return 0 < self.stored_len < nbytes
+        return self.stored_len == nbytes and not self.flags & FLAG_SHUFFLE2
 
 
 class PageHeader(NamedTuple):
     page_index: int
     page_bytes: int
     slot_bytes: int
+    seq: int
 
 
-def encode_slot_header(header: SlotHeader, out: memoryview) -> None:
-    """Write ``header`` into the first bytes of ``out`` and zero the rest of it."""
-    meta = header.meta
-    flags = header.flags | (FLAG_NO_PARENT if meta.parent_hash is None else 0)
+def encode_slot_trailer(trailer: SlotTrailer, out: memoryview) -> None:
+    """Write ``trailer`` into the first bytes of ``out`` and zero the rest of it."""
+    meta = trailer.meta
+    flags = trailer.flags | (FLAG_NO_PARENT if meta.parent_hash is None else 0)
     record = _SLOT.pack(
         _SLOT_MAGIC,
         FORMAT_VERSION,
@@ -111,22 +130,22 @@ def encode_slot_header(header: SlotHeader, out: memoryview) -> None:
         meta.namespace,
         meta.block_hash,
         _NO_PARENT if meta.parent_hash is None else meta.parent_hash,
-        header.slot_offset,
+        trailer.slot_offset,
         meta.nbytes,
-        header.stored_len,
-        header.payload_checksum,
-        header.seq,
+        trailer.stored_len,
+        trailer.payload_checksum,
+        trailer.seq,
     )
     _write_record(record, out)
 
 
-def looks_like_slot_header(buf: memoryview) -> bool:
+def looks_like_slot_trailer(buf: memoryview) -> bool:
     """True when ``buf`` starts with the slot magic, valid or not: something was written there."""
     return bytes(buf[: len(_SLOT_MAGIC)]) == _SLOT_MAGIC
 
 
-def decode_slot_header(buf: memoryview) -> SlotHeader | None:
-    """The header in ``buf``, or None when there is none or it is torn or corrupt."""
+def decode_slot_trailer(buf: memoryview) -> SlotTrailer | None:
+    """The trailer in ``buf``, or None when there is none or it is torn or corrupt."""
     record = _checked_record(buf, _SLOT, _SLOT_MAGIC)
     if record is None:
         return None
@@ -137,11 +156,13 @@ def decode_slot_header(buf: memoryview) -> SlotHeader | None:
         parent_hash=None if flags & FLAG_NO_PARENT else BlockHash(parent),
         nbytes=payload_len,
     )
-    return SlotHeader(meta, offset, stored_len, checksum, seq, flags & ~FLAG_NO_PARENT)
+    return SlotTrailer(meta, offset, stored_len, checksum, seq, flags & ~FLAG_NO_PARENT)
 
 
 def encode_page_header(header: PageHeader, out: memoryview) -> None:
-    record = _PAGE.pack(_PAGE_MAGIC, FORMAT_VERSION, 0, header.page_index, header.page_bytes, header.slot_bytes)
+    record = _PAGE.pack(
+        _PAGE_MAGIC, FORMAT_VERSION, 0, header.page_index, header.page_bytes, header.slot_bytes, header.seq
+    )
     _write_record(record, out)
 
 
@@ -149,8 +170,20 @@ def decode_page_header(buf: memoryview) -> PageHeader | None:
     record = _checked_record(buf, _PAGE, _PAGE_MAGIC)
     if record is None:
         return None
-    _, _, _, page_index, page_bytes, slot_bytes = record
-    return PageHeader(page_index, page_bytes, slot_bytes)
+    _, _, _, page_index, page_bytes, slot_bytes, seq = record
+    return PageHeader(page_index, page_bytes, slot_bytes, seq)
+
+
+def newest_copies(found: Iterable[tuple[Place, SlotTrailer]]) -> tuple[list[tuple[Place, SlotTrailer]], list[Place]]:
+    """(the newest copy of each block, the places of older copies) among valid trailers."""
+    newest: dict[tuple[bytes, bytes], tuple[Place, SlotTrailer]] = {}
+    older: list[Place] = []
+    for place, trailer in sorted(found, key=lambda copy: copy[1].seq):
+        replaced = newest.pop((trailer.meta.namespace, trailer.meta.block_hash), None)
+        if replaced is not None:
+            older.append(replaced[0])
+        newest[(trailer.meta.namespace, trailer.meta.block_hash)] = (place, trailer)
+    return list(newest.values()), older
 
 
 def _write_record(record: bytes, out: memoryview) -> None:
@@ -221,7 +254,8 @@ class PayloadCodec:
 
 
 def _units(nbytes: int) -> int:
-    return (nbytes + HEADER_BYTES - 1) // HEADER_BYTES
+    """4 KiB I/O units that ``nbytes`` take."""
+    return (nbytes + 4095) // 4096
 
 
 def _shuffle2(data: np.ndarray) -> np.ndarray:

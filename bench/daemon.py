@@ -11,11 +11,7 @@
 
 from __future__ import annotations
 
-import json
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +26,7 @@ from kvstore.client import KVStoreClient
 from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
+from kvstore.spawn import DaemonProcess, spawn_daemon
 from kvstore.tiers.base import copy_bytes
 
 MiB = 1024 * 1024
@@ -41,24 +38,9 @@ NAMESPACE = Namespace("bench/daemon-model", LAYOUT)
 LOOKUP_NAMESPACE = Namespace("bench/daemon-lookup", KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16))
 
 
-def start_daemon(workdir: Path, host_bytes: int) -> tuple[subprocess.Popen, dict]:
-    socket_path = workdir / "kvstore.sock"
-    command = [
-        sys.executable, "-m", "kvstore", "serve",
-        "--set", f"server.socket_path={socket_path}",
-        "--set", "server.grpc_port=0",
-        "--set", "server.metrics_port=-1",
-        "--set", f"host.capacity_bytes={host_bytes}",
-        "--set", "nvme.enabled=false",
-    ]  # fmt: skip
-    daemon = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(workdir / "daemon.log", "wb"))
-    state_file = Path(str(socket_path) + ".json")
-    deadline = time.monotonic() + 60
-    while not state_file.exists():
-        if daemon.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"kvstore serve did not start: {(workdir / 'daemon.log').read_text()}")
-        time.sleep(0.05)
-    return daemon, json.loads(state_file.read_text())
+def start_daemon(workdir: Path, host_bytes: int) -> DaemonProcess:
+    settings = {"server.grpc_port": 0, "server.metrics_port": -1, "host.capacity_bytes": host_bytes, "nvme.enabled": "false"}
+    return spawn_daemon(workdir / "kvstore.sock", settings, workdir / "daemon.log")
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -74,7 +56,8 @@ def main() -> None:
     lookups = 1_000 if args.quick else 5_000
     report = Report("daemon")
     workdir = Path(tempfile.mkdtemp(prefix="kvstore-bench-daemon-"))
-    daemon, state = start_daemon(workdir, host_bytes=total + 256 * MiB)
+    daemon = start_daemon(workdir, host_bytes=total + 256 * MiB)
+    state = daemon.state
     try:
         client = KVStoreClient(state["socket"])
         digest = client.register_namespace(NAMESPACE)
@@ -122,8 +105,7 @@ def main() -> None:
         assert torch.equal(dst, src), "the daemon returned different bytes"
         client.close()
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(timeout=60)
+        daemon.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
     result = {

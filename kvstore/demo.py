@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,9 +26,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvstore.errors import TierUnavailable
 from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
+from kvstore.spawn import DaemonProcess, spawn_daemon
 from kvstore.tiers.base import TierKind
 
 # a small GQA model's KV: 8 layers, 4 KV heads of 128, fp16, 32-token blocks = 512 KiB/block
@@ -88,25 +88,12 @@ def run_engine(socket_path: Path, role: str, turn: int) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def start_daemon(workdir: Path) -> tuple[subprocess.Popen, Path]:
-    socket_path = workdir / "kvstore.sock"
-    command = [
-        sys.executable, "-m", "kvstore", "serve",
-        "--set", f"server.socket_path={socket_path}",
-        "--set", "server.grpc_port=0",
-        "--set", "server.metrics_port=0",
-        "--set", f"nvme.directory={workdir / 'nvme'}",
-        "--set", "nvme.capacity_bytes=1GiB",
-    ]  # fmt: skip
-    log = open(workdir / "daemon.log", "wb")
-    daemon = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    state = Path(str(socket_path) + ".json")
-    deadline = time.monotonic() + 60
-    while not state.exists():
-        if daemon.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"demo: kvstore serve did not start:\n{(workdir / 'daemon.log').read_text()}")
-        time.sleep(0.1)
-    return daemon, socket_path
+def start_daemon(workdir: Path) -> DaemonProcess:
+    settings = {"server.grpc_port": 0, "server.metrics_port": 0, "nvme.directory": workdir / "nvme", "nvme.capacity_bytes": "1GiB"}
+    try:
+        return spawn_daemon(workdir / "kvstore.sock", settings, workdir / "daemon.log")
+    except TierUnavailable as exc:
+        raise SystemExit(f"demo: {exc}") from None
 
 
 def main() -> None:
@@ -125,8 +112,8 @@ def main() -> None:
     daemon = None
     try:
         print("starting kvstore serve on embedded defaults …", flush=True)
-        daemon, socket_path = start_daemon(workdir)
-        state = json.loads(Path(str(socket_path) + ".json").read_text())
+        daemon = start_daemon(workdir)
+        socket_path, state = daemon.socket_path, daemon.state
         print(f"daemon {state['node_id']} (pid {state['pid']}): socket {socket_path}, gRPC {state['grpc_address']}, metrics :{state['metrics_port']}")
         block_bytes = LAYOUT.block_bytes
         print(f"\n{LAYOUT.block_bytes // 1024} KiB KV blocks of {LAYOUT.block_size} tokens; a writer engine saves each turn, a reader engine loads it\n")
@@ -155,10 +142,8 @@ def main() -> None:
         )
         print("\n$ kvstore stats\n" + stats.stdout)
     finally:
-        if daemon is not None and daemon.poll() is None:
-            daemon.send_signal(signal.SIGTERM)
-            code = daemon.wait(timeout=60)
-            print(f"daemon stopped (exit {code}); removing {workdir}")
+        if daemon is not None:
+            print(f"daemon stopped (exit {daemon.stop()}); removing {workdir}")
         shutil.rmtree(workdir, ignore_errors=True)
 
 

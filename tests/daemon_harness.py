@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
-import sys
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MiB = 1024 * 1024
+from kvstore.spawn import serve_command, spawn_daemon
 
 
 @dataclass
@@ -20,7 +16,6 @@ class Daemon:
     workdir: Path
     node_id: str
     token: str = ""
-    extra: list[str] = field(default_factory=list)
     process: subprocess.Popen | None = None
     state: dict = field(default_factory=dict)
 
@@ -36,9 +31,8 @@ class Daemon:
     def address(self) -> str:
         return self.state["grpc_address"]
 
-    def command(self) -> list[str]:
+    def settings(self) -> dict[str, str]:
         settings = {
-            "server.socket_path": str(self.socket),
             "server.grpc_port": "0",
             "server.metrics_port": "0",
             "server.node_id": self.node_id,
@@ -53,27 +47,15 @@ class Daemon:
         }
         if self.token:
             settings["server.auth_token"] = self.token
-        args = [sys.executable, "-m", "kvstore", "serve"]
-        for key, value in settings.items():
-            args += ["--set", f"{key}={value}"]
-        return args + self.extra
+        return settings
+
+    def command(self) -> list[str]:
+        return serve_command(self.socket, self.settings())
 
     def start(self, timeout_s: float = 30.0) -> "Daemon":
-        self.state_file.unlink(missing_ok=True)
-        log = open(self.workdir / f"daemon-{self.node_id}.log", "ab")
-        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"kvstore serve exited with {self.process.returncode}: {self.log()}")
-            if self.state_file.exists():
-                try:
-                    self.state = json.loads(self.state_file.read_text())
-                    return self
-                except ValueError:
-                    pass
-            time.sleep(0.05)
-        raise RuntimeError(f"kvstore serve did not start in {timeout_s}s: {self.log()}")
+        spawned = spawn_daemon(self.socket, self.settings(), self.workdir / f"daemon-{self.node_id}.log", timeout_s)
+        self.process, self.state = spawned.process, spawned.state
+        return self
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
         if self.process is None or self.process.poll() is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import struct
 import time
 from typing import Any, Callable
@@ -71,6 +72,8 @@ class Op:
 
 TIER_CODES: dict[TierKind, int] = {kind: index for index, kind in enumerate(TierKind)}
 TIERS_BY_CODE: list[TierKind] = list(TierKind)
+_CODE_BY_VALUE: dict[str, int] = {kind.value: code for kind, code in TIER_CODES.items()}
+_VALUE = operator.attrgetter("_value_")
 
 _ERRORS_BY_NAME: dict[str, type[KVStoreError]] = {
     name: getattr(errors, name) for name in errors.__all__ if name != "KVStoreError"
@@ -197,9 +200,12 @@ class LocalServerProtocol(asyncio.Protocol):
 
     def _lookup(self, digest: bytes, blob: bytes) -> bytes:
         tiers = self._node.lookup(digest, unpack_hashes(blob))
-        return bytes(map(TIER_CODES.__getitem__, tiers))
+        # keyed by the members' plain string values: hashing an Enum member runs Python code
+        return bytes(map(_CODE_BY_VALUE.__getitem__, map(_VALUE, tiers)))
 
     def _reserve(self, digest: bytes, blob: bytes, parent: bytes | None) -> list:
+        if parent is not None and (not isinstance(parent, bytes) or len(parent) != HASH_BYTES):
+            raise InvalidArgument(f"the parent hash must be {HASH_BYTES} bytes or nil.")
         hashes = unpack_hashes(blob)
         reservation = self._node.begin_save(self._session, digest, hashes, parent)
         index_of = {h: i for i, h in enumerate(hashes)}

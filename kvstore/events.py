@@ -18,7 +18,7 @@ from typing import Union
 from kvstore.hashing import BlockHash
 from kvstore.tiers.base import TierKind
 
-__all__ = ["RemovalReason", "BlockStored", "BlockRemoved", "BlockMoved", "BlockEvent", "EventQueue"]
+__all__ = ["RemovalReason", "BlockStored", "BlockRemoved", "BlockMoved", "AllBlocksCleared", "BlockEvent", "EventQueue"]
 
 
 class RemovalReason(str, enum.Enum):
@@ -58,7 +58,13 @@ class BlockMoved:
     dst: TierKind
 
 
-BlockEvent = Union[BlockStored, BlockRemoved, BlockMoved]
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """Every block the publishing node held is gone (an engine reset its prefix cache, or
+    a node re-publishes its whole catalogue after the index lost track of it)."""
+
+
+BlockEvent = Union[BlockStored, BlockRemoved, BlockMoved, AllBlocksCleared]
 
 
 class EventQueue:

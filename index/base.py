@@ -1,0 +1,107 @@
+"""The `Index` interface: which node holds which blocks, for routers.
+
+The index is advisory (DESIGN.md §6): the tiers are the truth, an answer may be stale,
+and the only cost of a stale answer is a recompute. Nodes hold leases: a node that stops
+heartbeating disappears from every answer once its lease expires, without anyone
+deleting its blocks one by one.
+
+    Index
+    ├── EmbeddedIndex  (index/embedded.py)  in-process; the default for one host
+    └── RedisIndex     (index/redis.py)     Redis / Redis Cluster, for a fleet
+
+    SessionStore: session → node affinities for routing, kept in the same backend so
+    that every router replica agrees.
+
+Every method is a coroutine: the daemon and routers call them from their event loop, and
+the Redis backend does network I/O. Implementations translate their own errors into
+``kvstore.errors.TierUnavailable`` (backend unreachable) or ``InvalidArgument``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Collection, Sequence
+
+from kvstore.events import BlockEvent
+from kvstore.hashing import BlockHash
+from kvstore.tiers.base import TierKind
+
+__all__ = ["NodeInfo", "NodeMatch", "SessionAffinity", "Index", "SessionStore"]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    node_id: str
+    grpc_address: str = ""  # where its gRPC API answers
+    transport_address: str = ""  # where peers fetch blocks from it (the transport issue)
+    kind: str = "kvstore"  # "kvstore" for a daemon, "engine" for an engine's own GPU cache
+
+
+@dataclass(frozen=True, slots=True)
+class NodeMatch:
+    """The longest prefix of a chain that one node holds, in every tier it holds it."""
+
+    node_id: str
+    tiers: tuple[TierKind, ...]  # tier of each matched block, in chain order
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.tiers)
+
+    def tier_counts(self) -> dict[TierKind, int]:
+        counts: dict[TierKind, int] = {}
+        for tier in self.tiers:
+            counts[tier] = counts.get(tier, 0) + 1
+        return counts
+
+
+@dataclass(frozen=True, slots=True)
+class SessionAffinity:
+    session_id: str
+    node_id: str
+    num_moves: int = 0
+
+
+class Index(abc.ABC):
+    @abc.abstractmethod
+    async def register(self, node: NodeInfo, lease_ttl_s: float) -> None:
+        """Announce a node, or refresh its lease (a heartbeat). A node that re-registers
+        after its lease expired starts with no blocks: it must publish its catalogue."""
+
+    @abc.abstractmethod
+    async def leave(self, node_id: str) -> None:
+        """The node is going away: drop it and its blocks from every answer now."""
+
+    @abc.abstractmethod
+    async def publish(self, node_id: str, events: Sequence[BlockEvent]) -> None:
+        """Apply a batch of the node's block events, in order."""
+
+    @abc.abstractmethod
+    async def match(
+        self, namespace: bytes, hashes: Sequence[BlockHash], node_ids: Collection[str] | None = None
+    ) -> list[NodeMatch]:
+        """For each live node (of ``node_ids``, when given) holding at least the first
+        block: the longest prefix of ``hashes`` it holds. Best match first."""
+
+    @abc.abstractmethod
+    async def nodes(self) -> list[NodeInfo]:
+        """The nodes whose lease is current."""
+
+    async def close(self) -> None:
+        """Release connections; the default holds none."""
+
+
+class SessionStore(abc.ABC):
+    @abc.abstractmethod
+    async def get(self, session_id: str) -> SessionAffinity | None:
+        """The node a session sticks to, if its affinity has not expired."""
+
+    @abc.abstractmethod
+    async def put(self, session_id: str, node_id: str, ttl_s: float, moved_from: str | None = None, reason: str = "") -> SessionAffinity:
+        """Stick a session to a node (refreshing its TTL); a change of node is recorded as
+        a move with its reason."""
+
+    @abc.abstractmethod
+    async def moves(self, limit: int = 100) -> list[dict]:
+        """The most recent session moves, newest first: session, from, to, reason, time."""

@@ -65,9 +65,10 @@ class SessionAffinity:
 
 class Index(abc.ABC):
     @abc.abstractmethod
-    async def register(self, node: NodeInfo, lease_ttl_s: float) -> None:
-        """Announce a node, or refresh its lease (a heartbeat). A node that re-registers
-        after its lease expired starts with no blocks: it must publish its catalogue."""
+    async def register(self, node: NodeInfo, lease_ttl_s: float) -> bool:
+        """Announce a node, or refresh its lease (a heartbeat). True when a current lease
+        was renewed; False when the node starts empty in the index (new, back after its
+        lease expired, or the backend lost its data): it must publish its catalogue."""
 
     @abc.abstractmethod
     async def leave(self, node_id: str) -> None:

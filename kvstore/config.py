@@ -46,7 +46,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["ConfigError", "ServerConfig", "DaemonConfig", "load_config", "parse_size", "default_socket_path"]
+__all__ = ["ConfigError", "ServerConfig", "IndexConfig", "RoutingConfig", "DaemonConfig", "load_config", "parse_size", "parse_overrides"]
 
 GiB = 1024**3
 MiB = 1024**2
@@ -90,11 +90,59 @@ class ServerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class IndexConfig:
+    """Where the block-location index lives and how this node keeps it current."""
+
+    backend: str = "embedded"  # or redis://host:port/db, rediss://…, redis+cluster://host:port
+    lease_ttl_s: float = 10.0  # a node silent this long vanishes from every answer
+    heartbeat_interval_s: float = 3.0
+    publish_interval_s: float = 0.1  # block events are sent in batches at most this stale
+    max_batch_events: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.backend != "embedded" and not self.backend.startswith(("redis://", "rediss://", "redis+cluster://")):
+            raise ConfigError(f"index.backend must be \"embedded\" or a redis://, rediss:// or redis+cluster:// URL, got {self.backend!r}.")
+        if self.lease_ttl_s <= 0 or not 0 < self.heartbeat_interval_s < self.lease_ttl_s:
+            raise ConfigError(
+                f"index.heartbeat_interval_s ({self.heartbeat_interval_s}) must be positive and shorter than "
+                f"index.lease_ttl_s ({self.lease_ttl_s})."
+            )
+        if self.publish_interval_s <= 0 or self.max_batch_events <= 0:
+            raise ConfigError("index.publish_interval_s and index.max_batch_events must be positive.")
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """The cost model `Index.Route` scores candidates with (see index/scoring.py)."""
+
+    prefill_tokens_per_s: float = 10_000.0
+    attention_context_tokens: float = 64_000.0
+    host_bytes_per_s: float = 20e9
+    nvme_bytes_per_s: float = 5e9
+    remote_bytes_per_s: float = 10e9
+    decode_s_per_request: float = 0.5
+    remote_fetch: bool = True
+    margin_s: float = 0.5
+    margin_ratio: float = 0.25
+    session_ttl_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens_per_s", "attention_context_tokens", "host_bytes_per_s", "nvme_bytes_per_s", "remote_bytes_per_s", "session_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"routing.{name} must be positive, got {getattr(self, name)}.")
+        for name in ("decode_s_per_request", "margin_s", "margin_ratio"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"routing.{name} must not be negative, got {getattr(self, name)}.")
+
+
+@dataclass(frozen=True, slots=True)
 class DaemonConfig:
     server: ServerConfig
     host: HostTierConfig
     nvme: NvmeTierConfig | None  # None: memory only
     manager: TierManagerConfig
+    index: IndexConfig = IndexConfig()
+    routing: RoutingConfig = RoutingConfig()
 
 
 def parse_size(value: Any, name: str) -> int:
@@ -135,7 +183,14 @@ def _default_nvme_capacity(directory: Path) -> int:
     return max(_PAGE, min(free // 2, 1024 * GiB) // _PAGE * _PAGE)
 
 
-_SECTIONS = {"server": ServerConfig, "host": HostTierConfig, "nvme": NvmeTierConfig, "manager": TierManagerConfig}
+_SECTIONS = {
+    "server": ServerConfig,
+    "host": HostTierConfig,
+    "nvme": NvmeTierConfig,
+    "manager": TierManagerConfig,
+    "index": IndexConfig,
+    "routing": RoutingConfig,
+}
 _EXTRA_NVME_KEYS = {"enabled"}
 
 
@@ -254,10 +309,12 @@ def load_config(
             nvme_values.setdefault("capacity_bytes", _default_nvme_capacity(Path(nvme_values["directory"])))
             nvme = NvmeTierConfig(**nvme_values)
         manager = TierManagerConfig(**values["manager"])
+        index = IndexConfig(**values["index"])
+        routing = RoutingConfig(**values["routing"])
     except ConfigError:
         raise
     except InvalidArgument as exc:
         raise ConfigError(f"invalid configuration: {exc}") from exc
     except TypeError as exc:
         raise ConfigError(f"invalid configuration: {exc}.") from exc
-    return DaemonConfig(server=server, host=host, nvme=nvme, manager=manager)
+    return DaemonConfig(server=server, host=host, nvme=nvme, manager=manager, index=index, routing=routing)

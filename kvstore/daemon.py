@@ -4,10 +4,12 @@ Start: reclaim what a crashed run left (a socket nobody answers on, the host tie
 shared-memory file), open the tiers (a broken NVMe directory is reported and the node
 runs from memory), serve the local protocol on the Unix socket (mode 0600/0660), the gRPC
 API on TCP and Prometheus metrics over HTTP, and write a state file next to the socket
-(pid, addresses) so that the CLI and tests find ports chosen at start.
+(pid, addresses) so that the CLI and tests find ports chosen at start. The node registers
+with the block-location index (embedded, or Redis for a fleet) and publishes its block
+events there (kvstore/publisher.py); routers ask it through `Index.Match` / `Index.Route`.
 
 Stop (SIGTERM or SIGINT): stop accepting, give in-flight gRPC calls ``drain_timeout_s``
-to finish, close client sessions (their leases and reservations are released), move the
+to finish, close client sessions (their leases and reservations are released), leave the index, move the
 host tier's blocks to NVMe so that a restart serves them, close the tiers (the shared
 memory file is removed) and remove the socket and the state file.
 
@@ -27,10 +29,14 @@ from pathlib import Path
 
 from kvstore.config import DaemonConfig
 from kvstore.errors import TierUnavailable
+from kvstore.index.backends import open_index
+from kvstore.index.base import NodeInfo
 from kvstore.localproto import LocalServerProtocol
 from kvstore.metrics import Metrics
 from kvstore.node import Node
 from kvstore.paths import state_path_for
+from kvstore.publisher import IndexPublisher
+from kvstore.router import Router
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.manager import TierManager
 from kvstore.tiers.nvme import NvmeTier
@@ -93,8 +99,13 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         os.umask(old_umask)
     os.chmod(socket_path, server_config.socket_mode)
 
-    grpc_server, grpc_port = create_grpc_server(node, server_config)
+    index, sessions = open_index(config.index)
+    router = Router(node, index, sessions, config.routing)
+    grpc_server, grpc_port = create_grpc_server(node, router, server_config)
     await grpc_server.start()
+    node_info = NodeInfo(node.node_id, grpc_address=f"{server_config.grpc_host}:{grpc_port}")
+    publisher = IndexPublisher(index, node_info, manager, config.index)
+    publishing = asyncio.create_task(publisher.run(stop))
     metrics_port = _start_metrics(metrics, server_config.metrics_host, server_config.metrics_port)
     state = {
         "pid": os.getpid(),
@@ -115,9 +126,12 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         logger.info("stopping: draining requests")
         local_server.close()
         await grpc_server.stop(grace=server_config.drain_timeout_s)
-        housekeeping.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await housekeeping
+        for task in (housekeeping, publishing):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await publisher.leave()
+        await index.close()
         node.close_all_sessions()
         persisted = manager.persist()
         logger.info("moved %d memory blocks to NVMe before stopping", persisted)

@@ -18,6 +18,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvstore.api.client import ApiError, connect
 from kvstore.api.server import create_grpc_server
+from kvstore.config import IndexConfig, RoutingConfig
+from kvstore.index.base import NodeInfo
+from kvstore.index.embedded import EmbeddedIndex
+from kvstore.index.sessions import EmbeddedSessionStore
+from kvstore.publisher import IndexPublisher
+from kvstore.router import Router
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.config import ServerConfig
@@ -59,6 +65,8 @@ class Api:
     store: pb_grpc.StoreStub
     index: pb_grpc.IndexStub
     admin: pb_grpc.AdminStub
+    publisher: IndexPublisher  # step() sends the node's block events to the embedded index
+    sessions: EmbeddedSessionStore
 
 
 @contextlib.asynccontextmanager
@@ -69,11 +77,13 @@ async def serving(host_bytes: int = 1024 * KiB, token: str = ""):
     manager = TierManager(TierManagerConfig(), [host])
     node = Node(NODE_ID, manager, Metrics(), LIMITS)
     config = ServerConfig(grpc_host="127.0.0.1", grpc_port=0, metrics_port=-1, auth_token=token, node_id=NODE_ID)
-    server, port = create_grpc_server(node, config)
+    index, sessions = EmbeddedIndex(), EmbeddedSessionStore()
+    server, port = create_grpc_server(node, Router(node, index, sessions, RoutingConfig()), config)
+    publisher = IndexPublisher(index, NodeInfo(NODE_ID), manager, IndexConfig())
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield Api(node, port, channel, pb_grpc.StoreStub(channel), pb_grpc.IndexStub(channel), pb_grpc.AdminStub(channel))
+        yield Api(node, port, channel, pb_grpc.StoreStub(channel), pb_grpc.IndexStub(channel), pb_grpc.AdminStub(channel), publisher, sessions)
     finally:
         await channel.close()
         await server.stop(None)
@@ -149,6 +159,7 @@ async def test_store_round_trip():
 async def test_match_answers_for_this_node():
     async with serving() as api:
         ns = await register_and_fill(api, HASHES[:6], PAYLOADS[:6])
+        await api.publisher.step()
         match = await api.index.Match(pb.MatchRequest(namespace_id=ns, token_ids=pb.TokenIds(ids=TOKENS)))
         assert len(match.nodes) == 1
         node = match.nodes[0]
@@ -159,6 +170,25 @@ async def test_match_answers_for_this_node():
         assert [(n.node_id, n.matched_blocks) for n in by_hashes.nodes] == [(NODE_ID, 2)]
         elsewhere = await api.index.Match(pb.MatchRequest(namespace_id=ns, token_ids=pb.TokenIds(ids=TOKENS), node_ids=["node-b"]))
         assert list(elsewhere.nodes) == []
+
+
+@in_loop
+async def test_route_prefers_the_node_holding_the_prefix_and_keeps_sessions_sticky():
+    async with serving() as api:
+        ns = await register_and_fill(api, HASHES[:6], PAYLOADS[:6])
+        await api.publisher.step()
+        idle = pb.RouteCandidate(node_id="node-b")
+        here = pb.RouteCandidate(node_id=NODE_ID, load=pb.NodeLoad(queued_tokens=0, active_requests=0))
+        first = await api.index.Route(pb.RouteRequest(namespace_id=ns, token_ids=TOKENS, session_id="s1", candidates=[idle, here]))
+        assert first.node_id == NODE_ID and first.expected_cached_tokens == 6 * BLOCK_SIZE
+        assert first.expected_cost_s >= 0 and first.reason
+        # the session now sticks to this node even when node-b looks as good
+        affinity = await api.sessions.get("s1")
+        assert affinity is not None and affinity.node_id == NODE_ID
+        # a dead sticky node (not among the candidates) moves the session, and the move is recorded
+        moved = await api.index.Route(pb.RouteRequest(namespace_id=ns, token_ids=TOKENS, session_id="s1", candidates=[idle]))
+        assert moved.node_id == "node-b" and "moved" in moved.reason.lower()
+        assert (await api.sessions.moves())[0]["to"] == "node-b"
 
 
 @in_loop
@@ -236,7 +266,9 @@ async def test_bad_requests_are_refused_and_the_server_keeps_serving():
             (grpc.StatusCode.NOT_FOUND, lambda: index.Match(pb.MatchRequest(namespace_id=UNKNOWN_HASH, token_ids=pb.TokenIds(ids=TOKENS)))),
             (grpc.StatusCode.NOT_FOUND, lambda: admin.Pin(pb.PinRequest(namespace_id=UNKNOWN_HASH, block_hashes=HASHES))),
             (grpc.StatusCode.NOT_FOUND, lambda: admin.Evict(pb.EvictRequest(namespace_id=UNKNOWN_HASH))),
-            (grpc.StatusCode.UNIMPLEMENTED, lambda: index.Route(pb.RouteRequest(namespace_id=ns, token_ids=TOKENS, candidates=[pb.RouteCandidate(node_id=NODE_ID)]))),
+            (grpc.StatusCode.INVALID_ARGUMENT, lambda: index.Route(pb.RouteRequest(namespace_id=ns, token_ids=TOKENS))),
+            (grpc.StatusCode.INVALID_ARGUMENT, lambda: index.Route(pb.RouteRequest(namespace_id=ns, token_ids=TOKENS, candidates=[pb.RouteCandidate(node_id=NODE_ID)] * 2))),
+            (grpc.StatusCode.INVALID_ARGUMENT, lambda: index.Match(pb.MatchRequest(namespace_id=ns, block_hashes=pb.BlockHashes(hashes=[])))),
             (grpc.StatusCode.UNIMPLEMENTED, lambda: admin.Drain(pb.DrainRequest(target_node_ids=["node-b"]))),
         ]
         sentences = []
@@ -244,7 +276,7 @@ async def test_bad_requests_are_refused_and_the_server_keeps_serving():
             sentences.append(await refused(code, call()))
             await still_serving(api, ns)
         assert "16" in sentences[0] and "limit" in sentences[5] and "limit" in sentences[6]
-        assert "TIER_UNSPECIFIED" in sentences[11] and "global index" in sentences[-2] and "transport" in sentences[-1]
+        assert "TIER_UNSPECIFIED" in sentences[11] and "empty" in sentences[-2] and "transport" in sentences[-1]
         assert api.node.stats().num_blocks == 8  # no refused request changed anything
 
 
@@ -320,8 +352,8 @@ async def test_blocking_client_helper():
                 ns = client.store.RegisterNamespace(register_request()).namespace_id
                 client.store.Put(pb.PutRequest(namespace_id=ns, block_hashes=HASHES, payloads=PAYLOADS))
                 assert client.admin.Stats(pb.StatsRequest()).num_blocks == 8
-                match = client.index.Match(pb.MatchRequest(namespace_id=ns, token_ids=pb.TokenIds(ids=TOKENS)))
-                assert match.nodes[0].matched_blocks == 8
+                found = client.store.Lookup(pb.LookupRequest(namespace_id=ns, token_ids=pb.TokenIds(ids=TOKENS)))
+                assert found.matched_blocks == 8
                 with pytest.raises(ApiError) as missing:
                     client.store.Lookup(pb.LookupRequest(namespace_id=UNKNOWN_HASH, token_ids=pb.TokenIds(ids=TOKENS)))
                 assert missing.value.code == "NOT_FOUND" and "not registered" in str(missing.value)

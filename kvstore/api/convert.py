@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import HASH_BYTES, BlockHash
+from kvstore.index.scoring import Candidate, RouteDecision
 from kvstore.layout import KVLayout
 from kvstore.namespace import NAMESPACE_DIGEST_BYTES, Namespace
 from kvstore.node import BlockPage, Limits, NodeStats
@@ -44,6 +45,10 @@ __all__ = [
     "block_page_response",
     "evict_query",
     "evict_response",
+    "route_candidates",
+    "route_tokens",
+    "session_id",
+    "route_response",
 ]
 
 MAX_NAME_CHARS = 1024  # model ids, tenant salts, node ids
@@ -313,3 +318,34 @@ def _min_idle(request: pb.ListBlocksRequest | pb.EvictRequest) -> float | None:
     if not math.isfinite(value) or value < 0:
         raise InvalidArgument(f"min_idle_s must be a finite number of seconds, zero or more; got {value}.")
     return value
+
+
+def route_candidates(request: pb.RouteRequest) -> list[Candidate]:
+    if len(request.candidates) > MAX_NODE_IDS:
+        raise InvalidArgument(f"candidates has {len(request.candidates)} entries; the limit is {MAX_NODE_IDS}.")
+    candidates = []
+    for candidate in request.candidates:
+        _check_name(candidate.node_id, "candidates.node_id")
+        candidates.append(Candidate(candidate.node_id, candidate.load.queued_tokens, candidate.load.active_requests))
+    return candidates
+
+
+def route_tokens(request: pb.RouteRequest, limits: Limits) -> list[int]:
+    if len(request.token_ids) > limits.max_tokens_per_request:
+        raise InvalidArgument(f"token_ids has {len(request.token_ids)} ids; the limit is {limits.max_tokens_per_request} per request.")
+    return list(request.token_ids)
+
+
+def session_id(raw: str) -> str:
+    if raw:
+        _check_name(raw, "session_id")
+    return raw
+
+
+def route_response(decision: RouteDecision) -> pb.RouteResponse:
+    return pb.RouteResponse(
+        node_id=decision.node_id,
+        expected_cached_tokens=decision.expected_cached_tokens,
+        expected_cost_s=decision.expected_cost_s,
+        reason=decision.reason,
+    )

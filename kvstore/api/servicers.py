@@ -34,6 +34,7 @@ from kvstore.errors import (
 )
 from kvstore.hashing import BlockHash
 from kvstore.node import Node
+from kvstore.router import Router
 
 __all__ = ["StoreServicer", "IndexServicer", "AdminServicer", "status_for"]
 
@@ -141,27 +142,34 @@ class StoreServicer(_NodeServicer, pb_grpc.StoreServicer):
 
 
 class IndexServicer(_NodeServicer, pb_grpc.IndexServicer):
-    """The embedded, single-node index: the only node it knows is this one."""
+    """The fleet's view: which nodes hold a prefix (from the block-location index, embedded
+    or Redis), and where a request should go."""
 
     service = "Index"
+
+    def __init__(self, node: Node, router: Router) -> None:
+        super().__init__(node)
+        self.router = router
 
     @_served
     async def Match(self, request: pb.MatchRequest, context) -> pb.MatchResponse:
         digest = convert.namespace_id(request.namespace_id)
         prefix = convert.prefix(request, self.node.limits)
         wanted = convert.node_ids(request.node_ids)
-        if wanted and self.node.node_id not in wanted:
-            return pb.MatchResponse()
-        tiers = self.node.lookup(digest, self._hashes(digest, prefix))
-        return pb.MatchResponse(nodes=[convert.node_match(self.node.node_id, tiers, self._block_size(digest))])
+        matches = await self.router.match(digest, self._hashes(digest, prefix), wanted or None)
+        block_size = self._block_size(digest)
+        return pb.MatchResponse(nodes=[convert.node_match(m.node_id, m.tiers, block_size) for m in matches])
 
     @_served
     async def Route(self, request: pb.RouteRequest, context) -> pb.RouteResponse:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "Index.Route is not served yet: routing arrives with the global index; "
-            "meanwhile call Index.Match and weigh the answer against load yourself.",
+        digest = convert.namespace_id(request.namespace_id)
+        decision = await self.router.route(
+            digest,
+            convert.route_tokens(request, self.node.limits),
+            convert.session_id(request.session_id),
+            convert.route_candidates(request),
         )
+        return convert.route_response(decision)
 
 
 class AdminServicer(_NodeServicer, pb_grpc.AdminServicer):

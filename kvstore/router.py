@@ -1,0 +1,88 @@
+"""What a daemon answers routers with: `Index.Match` and `Index.Route` over the fleet.
+
+`match` asks the block-location index which nodes hold how much of a chain; `route`
+weighs that against each candidate's load and the session's affinity with the pure
+cost model of ``kvstore.index.scoring`` (the routing simulator drives the same code), and
+records the session's choice in the index backend so that every router replica agrees.
+
+Owner: the daemon's event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Collection, Sequence
+
+from kvstore.config import RoutingConfig
+from kvstore.errors import InvalidArgument
+from kvstore.hashing import BlockHash
+from kvstore.index.base import Index, NodeMatch, SessionStore
+from kvstore.index.scoring import AffinityPolicy, Candidate, CostModel, RouteDecision, route
+from kvstore.node import Node
+
+__all__ = ["Router", "cost_model_for"]
+
+MAX_CANDIDATES = 4096
+
+
+def cost_model_for(config: RoutingConfig) -> CostModel:
+    return CostModel(
+        prefill_tokens_per_s=config.prefill_tokens_per_s,
+        attention_context_tokens=config.attention_context_tokens,
+        host_bytes_per_s=config.host_bytes_per_s,
+        nvme_bytes_per_s=config.nvme_bytes_per_s,
+        remote_bytes_per_s=config.remote_bytes_per_s,
+        decode_s_per_request=config.decode_s_per_request,
+        remote_fetch=config.remote_fetch,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Chain:
+    hashes: list[BlockHash]
+    num_tokens: int
+    block_size: int
+    block_bytes: int
+
+
+class Router:
+    def __init__(self, node: Node, index: Index, sessions: SessionStore, config: RoutingConfig) -> None:
+        self.node = node
+        self.index = index
+        self.sessions = sessions
+        self.config = config
+        self.model = cost_model_for(config)
+        self.policy = AffinityPolicy(margin_s=config.margin_s, margin_ratio=config.margin_ratio)
+
+    async def match(self, namespace: bytes, hashes: Sequence[BlockHash], node_ids: Collection[str] | None = None) -> list[NodeMatch]:
+        if not hashes:
+            raise InvalidArgument("the chain to match is empty: give at least one block hash, or a full block of token ids.")
+        return await self.index.match(namespace, hashes, node_ids or None)
+
+    async def route(self, namespace: bytes, token_ids: Sequence[int], session_id: str, candidates: Sequence[Candidate]) -> RouteDecision:
+        if not candidates:
+            raise InvalidArgument("Route needs at least one candidate node to choose from.")
+        if len(candidates) > MAX_CANDIDATES:
+            raise InvalidArgument(f"{len(candidates)} candidates exceed the limit of {MAX_CANDIDATES}.")
+        if len({c.node_id for c in candidates}) != len(candidates):
+            raise InvalidArgument("each candidate node may appear once.")
+        chain = self._chain(namespace, token_ids)
+        matches = await self.index.match(namespace, chain.hashes, [c.node_id for c in candidates]) if chain.hashes else []
+        affinity = await self.sessions.get(session_id) if session_id else None
+        decision = route(
+            candidates,
+            {m.node_id: m for m in matches},
+            chain.num_tokens,
+            chain.block_size,
+            chain.block_bytes,
+            self.model,
+            affinity,
+            self.policy,
+        )
+        if session_id:
+            await self.sessions.put(session_id, decision.node_id, self.config.session_ttl_s, decision.moved_from, decision.reason)
+        return decision
+
+    def _chain(self, namespace: bytes, token_ids: Sequence[int]) -> _Chain:
+        known = self.node.namespace(namespace)  # token ids need the namespace's block size
+        return _Chain(self.node.hashes_for_tokens(namespace, token_ids), len(token_ids), known.block_size, known.block_bytes)

@@ -20,7 +20,7 @@ the Redis backend does network I/O. Implementations translate their own errors i
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Collection, Sequence
 
 from kvstore.events import BlockEvent

@@ -16,6 +16,7 @@ class Daemon:
     workdir: Path
     node_id: str
     token: str = ""
+    extra: dict[str, str] = field(default_factory=dict)  # more --set settings
     process: subprocess.Popen | None = None
     state: dict = field(default_factory=dict)
 
@@ -47,7 +48,7 @@ class Daemon:
         }
         if self.token:
             settings["server.auth_token"] = self.token
-        return settings
+        return {**settings, **self.extra}
 
     def command(self) -> list[str]:
         return serve_command(self.socket, self.settings())

@@ -46,6 +46,7 @@ from kvstore.tiers.base import BlockMeta, Tier, TierKind, TierStats, byte_view
 from kvstore.tiers.catalogue import BlockEntry, BlockKey, Catalogue
 from kvstore.tiers.eviction import POLICIES, EvictionPolicy, make_policy
 from kvstore.tiers.memory import MemoryTier
+from kvstore.tiers.records import BlockInfo, EvictResult, LeasedBlock, ReadLease, ReservedBlock, Reservation
 from kvstore.tiers.slab import Slot
 
 __all__ = [
@@ -84,60 +85,6 @@ class TierManagerConfig:
             )
         if self.reservation_ttl_s <= 0:
             raise InvalidArgument(f"reservation_ttl_s must be positive, got {self.reservation_ttl_s}.")
-
-
-# Per-block records are plain slotted dataclasses (not frozen): one is made per block on
-# the save and load paths, and a frozen dataclass's __init__ costs twice as much.
-@dataclass(slots=True)
-class ReservedBlock:
-    block_hash: BlockHash
-    parent_hash: BlockHash | None
-    slot: Slot
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    id: int
-    namespace: bytes
-    tier: TierKind
-    nbytes: int
-    blocks: tuple[ReservedBlock, ...]  # new blocks to write, in chain order
-    num_cached: int  # blocks of the request that were already cached (or being written)
-    deadline: float
-
-
-@dataclass(slots=True)
-class LeasedBlock:
-    block_hash: BlockHash
-    slot: Slot
-
-
-@dataclass(frozen=True, slots=True)
-class ReadLease:
-    id: int
-    namespace: bytes
-    tier: TierKind
-    nbytes: int
-    blocks: tuple[LeasedBlock, ...]  # the longest cached prefix, in chain order
-
-
-@dataclass(frozen=True, slots=True)
-class BlockInfo:
-    namespace: bytes
-    block_hash: BlockHash
-    parent_hash: BlockHash | None
-    tier: TierKind
-    nbytes: int
-    stored_at: float
-    last_access: float
-    pinned: bool
-    num_leases: int
-
-
-@dataclass(frozen=True, slots=True)
-class EvictResult:
-    num_evicted: int
-    num_skipped: int  # matched but leased, pinned or moving
 
 
 @dataclass(slots=True)

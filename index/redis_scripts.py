@@ -1,0 +1,332 @@
+"""The Lua scripts `RedisIndex` and `RedisSessionStore` run server-side (index/redis.py).
+
+Needs Redis >= 5 (scripts replicated by their effects, so TIME may precede writes).
+Every script touches keys of ONE hash tag only (Redis Cluster runs a script on one
+shard). A script may build key names from the prefix it is given in KEYS[1]: Redis
+allows undeclared keys as long as they hash to the slot of the declared ones, and the
+shared ``{tag}`` guarantees that.
+
+Key layout (``p`` is the deployment's key prefix, ``ns`` a namespace digest in hex):
+
+    {p:reg}:nodes          hash node_id → "num epoch seen_ms"   the registry
+    {p:reg}:next           counter, the last node number handed out
+    {p:reg}:lease:<node>   msgpack [grpc, transport, kind], PX = the lease TTL
+    {p:reg}:spaces         set of namespaces ever published (for sweep)
+    {p:ns}:holders         hash num → epoch of that node's block map here
+    {p:ns}:m:<num>         hash block hash (16 raw bytes) → tier mask (bit = TierKind.rank)
+    p:s:<session>          hash node, moves; PX = the affinity TTL
+    p:moves                list of msgpack move records, newest first, capped
+
+`RedisBoundary` sends them: EVALSHA, falling back to EVAL when the server answers NOSCRIPT
+(a restarted or flushed Redis), pipelines for batches, and the translation of every Redis
+error into ``TierUnavailable`` at this edge.
+
+A node's block map belongs to one epoch (``holders``); an entry of an older epoch, of a
+node whose lease was gone when the caller looked, or of a node number the registry no
+longer knows is garbage: `MATCH` unlinks such maps whole (UNLINK frees in the background).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+from typing import Any, Iterator, Sequence
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisError
+
+from kvstore.errors import TierUnavailable
+
+__all__ = ["RedisBoundary", "RedisClient", "REGISTER", "VIEW", "APPLY", "MATCH", "SESSION_PUT"]
+
+RedisClient = aioredis.Redis | RedisCluster
+ScriptCall = tuple[str, Sequence[str], Sequence[Any]]  # source, keys, args
+
+
+class RedisBoundary:
+    """A client and everything that crosses it. ``num_round_trips`` counts requests sent
+    (a pipeline counts once), so that benchmarks and tests can hold the index to its budget."""
+
+    def __init__(self, client: RedisClient, where: str, owns_client: bool) -> None:
+        self.client = client
+        self.where = where.split("@")[-1]  # never echo a password
+        self.owns_client = owns_client
+        self.num_round_trips = 0
+
+    @contextlib.contextmanager
+    def translated(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except (RedisError, OSError) as exc:
+            raise TierUnavailable(
+                f"the Redis index at {self.where} failed during {what} ({type(exc).__name__}: {exc}); "
+                "this node keeps serving its own blocks, and should re-register and re-publish its "
+                "catalogue once Redis answers again."
+            ) from exc
+
+    async def command(self, *args: Any) -> Any:
+        self.num_round_trips += 1
+        return await self.client.execute_command(*args)
+
+    async def run(self, source: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        self.num_round_trips += 1
+        try:
+            return await self.client.evalsha(_sha(source), len(keys), *keys, *args)
+        except NoScriptError:
+            self.num_round_trips += 1
+            return await self.client.eval(source, len(keys), *keys, *args)
+
+    async def run_many(self, calls: list[ScriptCall], extra: Sequence[tuple] = ()) -> list[Any]:
+        """One pipeline: every script call, then the plain ``extra`` commands. Calls that met
+        NOSCRIPT run again, in their order, as EVAL (all calls of a namespace go to one
+        shard, which either has the script or not, so their order holds)."""
+        pipe = self._pipeline()
+        for source, keys, args in calls:
+            # ClusterPipeline blocks its evalsha() method, not the command itself
+            pipe.execute_command("EVALSHA", _sha(source), len(keys), *keys, *args)
+        for command in extra:
+            pipe.execute_command(*command)
+        self.num_round_trips += 1
+        results = await pipe.execute(raise_on_error=False)
+        missing = [i for i, result in enumerate(results[: len(calls)]) if isinstance(result, NoScriptError)]
+        if missing:
+            pipe = self._pipeline()
+            for i in missing:
+                source, keys, args = calls[i]
+                pipe.execute_command("EVAL", source, len(keys), *keys, *args)
+            self.num_round_trips += 1
+            for i, result in zip(missing, await pipe.execute(raise_on_error=False)):
+                results[i] = result
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return results
+
+    async def close(self) -> None:
+        if self.owns_client:
+            await self.client.aclose()
+
+    def _pipeline(self) -> Any:
+        return self.client.pipeline(transaction=False) if isinstance(self.client, aioredis.Redis) else self.client.pipeline()
+
+
+@functools.cache
+def _sha(source: str) -> str:
+    return hashlib.sha1(source.encode()).hexdigest()
+
+
+# KEYS: nodes, next, lease.  ARGV: node_id, ttl_ms, info, force_new_epoch ("1"/"0").
+# A lease that is missing (expired, left, Redis restarted) or a new process starts a new
+# epoch; epochs are max(previous + 1, Redis time in ms) so that they keep growing even
+# when the registry is lost while block maps survive on other shards.
+# Returns {num, epoch, 1 when a new epoch began else 0}.
+REGISTER = """
+local now_s = redis.call('TIME')
+local now = tonumber(now_s[1]) * 1000 + math.floor(tonumber(now_s[2]) / 1000)
+local num, epoch
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+if current then
+  num, epoch = string.match(current, '^(%d+) (%d+)')
+end
+if not num then
+  num = redis.call('INCR', KEYS[2])
+  epoch = 0
+end
+local fresh = 0
+if ARGV[4] == '1' or redis.call('EXISTS', KEYS[3]) == 0 then
+  epoch = math.max(tonumber(epoch) + 1, now)
+  fresh = 1
+end
+redis.call('HSET', KEYS[1], ARGV[1], string.format('%d %d %d', num, epoch, now))
+redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[2])
+return {tonumber(num), string.format('%d', epoch), fresh}
+"""
+
+# KEYS: nodes, next, lease prefix.  ARGV: forget_after_ms.
+# Returns {next, {node_id, num, epoch, pttl_ms, info or false}, ...}; pttl -2 = no lease.
+# Registry entries of nodes without a lease for forget_after_ms are dropped, which makes
+# their node numbers orphans whose block maps MATCH collects.
+VIEW = """
+local now_s = redis.call('TIME')
+local now = tonumber(now_s[1]) * 1000 + math.floor(tonumber(now_s[2]) / 1000)
+local out = {redis.call('GET', KEYS[2]) or '0'}
+local entries = redis.call('HGETALL', KEYS[1])
+for i = 1, #entries, 2 do
+  local node_id = entries[i]
+  local num, epoch, seen = string.match(entries[i + 1], '^(%d+) (%d+) (%d+)$')
+  local lease = KEYS[3] .. node_id
+  local pttl = redis.call('PTTL', lease)
+  if pttl == -2 and now - tonumber(seen) > tonumber(ARGV[1]) then
+    redis.call('HDEL', KEYS[1], node_id)
+  else
+    local info = false
+    if pttl ~= -2 then info = redis.call('GET', lease) end
+    out[#out + 1] = {node_id, num, epoch, pttl, info}
+  end
+end
+return out
+"""
+
+# KEYS: namespace prefix "{p:ns}".  ARGV: num, epoch, then (op, hashes) pairs where op is
+# "S<t>" stored in tier t, "R<t>" removed from t, "M<s><d>" moved s → d, and hashes are
+# 16-byte block hashes concatenated.  The first write of a new epoch drops the node's old
+# map here.  Returns 1, or -1 when a newer epoch of this node already owns the map (the
+# caller is a stale process of the same node id).
+APPLY = """
+local prefix, num, epoch = KEYS[1], ARGV[1], ARGV[2]
+local holders_key, key = prefix .. ':holders', prefix .. ':m:' .. num
+local held = redis.call('HGET', holders_key, num)
+if held ~= epoch then
+  if held and tonumber(held) > tonumber(epoch) then return -1 end
+  redis.call('UNLINK', key)
+  redis.call('HSET', holders_key, num, epoch)
+end
+local BATCH = 2000
+for i = 3, #ARGV, 2 do
+  local op, blob = ARGV[i], ARGV[i + 1]
+  local kind, a, b = string.sub(op, 1, 1), tonumber(string.sub(op, 2, 2)), tonumber(string.sub(op, 3, 3))
+  local set, clear = 0, 0
+  if kind == 'S' then set = bit.lshift(1, a)
+  elseif kind == 'R' then clear = bit.lshift(1, a)
+  else set, clear = bit.lshift(1, b), bit.lshift(1, a) end
+  local total = #blob / 16
+  for first = 0, total - 1, BATCH do
+    local hashes = {}
+    for k = first + 1, math.min(first + BATCH, total) do
+      hashes[#hashes + 1] = string.sub(blob, k * 16 - 15, k * 16)
+    end
+    local old = redis.call('HMGET', key, unpack(hashes))
+    local writes, deletes = {}, {}
+    for k = 1, #hashes do
+      local before = tonumber(old[k] or 0)
+      local after = bit.bor(bit.band(before, bit.bnot(clear)), set)
+      if after == 0 then
+        if before ~= 0 then deletes[#deletes + 1] = hashes[k] end
+      elseif after ~= before then
+        writes[#writes + 1] = hashes[k]
+        writes[#writes + 1] = after
+      end
+    end
+    if #writes > 0 then redis.call('HSET', key, unpack(writes)) end
+    if #deletes > 0 then redis.call('HDEL', key, unpack(deletes)) end
+  end
+end
+return 1
+"""
+
+# KEYS: namespace prefix "{p:ns}".  ARGV: chain (16-byte hashes concatenated), next (the
+# registry's last node number), then (num, epoch, state) triples for every node the
+# registry knows: state "c" = a live candidate, "l" = live but not asked about, "d" = its
+# lease was gone.  Returns {num_maps_collected, {num, length, tier, count, tier, count, ...},
+# ...}: one entry per candidate holding at least the first block, its matched blocks'
+# fastest tiers run-length encoded.  A node's walk reads its map by HMGET in growing
+# chunks (one call per chunk, not per block; it stops soon after the node's prefix ends),
+# or whole when the map is small.
+MATCH = """
+local prefix, chain = KEYS[1], ARGV[1]
+local n, next_num = #chain / 16, tonumber(ARGV[2])
+local view = {}
+for i = 3, #ARGV, 3 do view[ARGV[i]] = {tonumber(ARGV[i + 1]), ARGV[i + 2]} end
+local holders_key = prefix .. ':holders'
+local holders = redis.call('HGETALL', holders_key)
+local collected, candidates = 0, {}
+for i = 1, #holders, 2 do
+  local num, epoch = holders[i], tonumber(holders[i + 1])
+  local known = view[num]
+  local garbage
+  if known == nil then
+    garbage = tonumber(num) <= next_num
+  else
+    garbage = epoch < known[1] or (epoch == known[1] and known[2] == 'd')
+    if epoch == known[1] and known[2] == 'c' then candidates[#candidates + 1] = num end
+  end
+  if garbage then
+    redis.call('UNLINK', prefix .. ':m:' .. num)
+    redis.call('HDEL', holders_key, num)
+    collected = collected + 1
+  end
+end
+-- below Redis's default hash-max-ziplist-entries a hash is a flat list that HMGET scans
+-- once per field: read such a map whole instead
+local SMALL_MAP = 512
+local LOWEST = {}
+for mask = 1, 31 do
+  local t = 0
+  while bit.band(mask, bit.lshift(1, t)) == 0 do t = t + 1 end
+  LOWEST[tostring(mask)] = t
+end
+local hashes, split = {}, 0
+local function masks_of(key, map, first, last)
+  while split < last do
+    split = split + 1
+    hashes[split] = string.sub(chain, split * 16 - 15, split * 16)
+  end
+  if map == nil then return redis.call('HMGET', key, unpack(hashes, first, last)) end
+  local masks = {}
+  for j = first, last do masks[j - first + 1] = map[hashes[j]] or false end
+  return masks
+end
+local out = {collected}
+for _, num in ipairs(candidates) do
+  local key = prefix .. ':m:' .. num
+  local map = nil
+  if redis.call('HLEN', key) <= SMALL_MAP then
+    map = {}
+    local flat = redis.call('HGETALL', key)
+    for i = 1, #flat, 2 do map[flat[i]] = flat[i + 1] end
+  end
+  local runs = {num, 0}
+  local matched, tier, mask, count, step, stopped = 0, -1, nil, 0, 32, false
+  while not stopped and matched < n do
+    local first, last = matched + 1, math.min(matched + step, n)
+    local masks = masks_of(key, map, first, last)
+    local width = last - first + 1
+    for j = 1, width do
+      local m = masks[j]
+      -- the hot loop: a tier lookup only where the mask changes (runs are long)
+      if m ~= mask then
+        local t = LOWEST[m]
+        if t == nil then
+          width, stopped = j - 1, true
+          break
+        end
+        if t ~= tier then
+          if count > 0 then
+            runs[#runs + 1] = tier
+            runs[#runs + 1] = count
+          end
+          tier, count = t, 0
+        end
+        mask = m
+      end
+      count = count + 1
+    end
+    matched = matched + width
+    step = math.min(step * 4, 4096)
+  end
+  if matched > 0 then
+    runs[#runs + 1] = tier
+    runs[#runs + 1] = count
+    runs[2] = matched
+    out[#out + 1] = runs
+  end
+end
+return out
+"""
+
+# KEYS: the session key.  ARGV: node_id, ttl_ms, moved_from ('' if none).
+# A move is a change from the stored node, or, when the affinity had expired, from the
+# node the caller says the session left.  Returns {num_moves, from ('' if no move)}.
+SESSION_PUT = """
+local current = redis.call('HMGET', KEYS[1], 'node', 'moves')
+local moves = tonumber(current[2] or 0)
+local from = ''
+if current[1] and current[1] ~= ARGV[1] then from = current[1]
+elseif not current[1] and ARGV[3] ~= '' and ARGV[3] ~= ARGV[1] then from = ARGV[3] end
+if from ~= '' then moves = moves + 1 end
+redis.call('HSET', KEYS[1], 'node', ARGV[1], 'moves', moves)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return {moves, from}
+"""

@@ -31,10 +31,12 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.tiers
 	$(PY) -m bench.daemon
+	$(PY) -m bench.index
 
 bench-quick: $(STAMP)
 	$(PY) -m bench.tiers --quick
 	$(PY) -m bench.daemon --quick
+	$(PY) -m bench.index --quick
 
 demo: $(STAMP)
 	$(PY) -m kvstore.demo

@@ -144,4 +144,5 @@ class HostTier(MemoryTier):
             device.unpin_host_memory(self.shared.tensor)
             self.pinned = False
         self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._cpu_base = None
         self.shared.close()

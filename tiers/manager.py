@@ -223,13 +223,14 @@ class TierManager:
         policy = self._policies[kind]
         segment: list[BlockHash] = []
         segment_parent: BlockHash | None = None
+        entries: list[BlockEntry] = []
         for block in reservation.blocks[:count]:
             key = (namespace, block.block_hash)
             del self._pending[key]
             parent_key = None if block.parent_hash is None else (namespace, block.parent_hash)
             entry = BlockEntry(key, parent_key, kind, block.slot, reservation.nbytes, now)
             self.catalogue.insert(entry)
-            policy.insert(entry)
+            entries.append(entry)
             if not segment or block.parent_hash != segment[-1]:
                 if segment:
                     self.events.append(BlockStored(namespace, tuple(segment), segment_parent, kind, reservation.nbytes))
@@ -237,6 +238,11 @@ class TierManager:
             segment.append(block.block_hash)
         if segment:
             self.events.append(BlockStored(namespace, tuple(segment), segment_parent, kind, reservation.nbytes))
+        # into the policy once the whole chain is linked: each block joins its final group
+        # (interior, or leaf for the chain's tail) instead of entering as a leaf and moving
+        # when its child arrives
+        for entry in entries:
+            policy.insert(entry)
         self._release_slots(reservation, reservation.blocks[count:])
         self.counters["blocks_stored"] += count
         if self.config.demote_on_commit:

@@ -219,16 +219,70 @@ def status(ctx: Context) -> None:
     ctx.emit(document, lambda: (click.echo(f"kvstore at {client.address}: {serving}"), _print_stats(document)))
 
 
+def _fleet_document(ctx: Context, client) -> dict:
+    """Every live daemon's lookup hit rate, the fleet's, and their spread across nodes."""
+    from kvstore.api.client import ApiError, connect
+    from kvstore.api.v1 import kvstore_pb2 as pb
+
+    nodes = []
+    for info in client.index.Nodes(pb.NodesRequest()).nodes:
+        if info.kind != "kvstore" or not info.grpc_address:
+            continue  # engines' GPU caches answer no stats
+        row: dict[str, Any] = {"node_id": info.node_id, "address": info.grpc_address}
+        try:
+            with connect(info.grpc_address, token=ctx.token) as peer:
+                counters = peer.admin.Stats(pb.StatsRequest()).counters
+        except ApiError as exc:
+            row["error"] = str(exc)
+            nodes.append(row)
+            continue
+        hit, missed = counters.get("lookup_hit_tokens", 0), counters.get("lookup_missed_tokens", 0)
+        row.update(hit_tokens=hit, missed_tokens=missed, hit_rate=round(hit / (hit + missed), 4) if hit + missed else None)
+        nodes.append(row)
+    rates = [n["hit_rate"] for n in nodes if n.get("hit_rate") is not None]
+    hit = sum(n.get("hit_tokens", 0) for n in nodes)
+    asked = hit + sum(n.get("missed_tokens", 0) for n in nodes)
+    mean = sum(rates) / len(rates) if rates else 0.0
+    std = (sum((r - mean) ** 2 for r in rates) / len(rates)) ** 0.5 if rates else 0.0
+    return {
+        "nodes": nodes,
+        "fleet_hit_rate": round(hit / asked, 4) if asked else None,
+        "hit_rate_std": round(std, 4),
+        "hit_rate_cv": round(std / mean, 4) if mean else None,
+    }
+
+
+def _print_fleet(document: dict) -> None:
+    _table(
+        ["node", "address", "hit rate", "hit tokens", "missed tokens"],
+        [
+            [n["node_id"], n["address"], "unreachable" if "error" in n else ("-" if n["hit_rate"] is None else f"{n['hit_rate']:.1%}"), n.get("hit_tokens", ""), n.get("missed_tokens", "")]
+            for n in document["nodes"]
+        ],
+    )
+    fleet = document["fleet_hit_rate"]
+    cv = document["hit_rate_cv"]
+    click.echo(
+        f"fleet hit rate {'-' if fleet is None else f'{fleet:.1%}'}; spread across nodes: std {document['hit_rate_std']:.3f}, "
+        f"CV {'-' if cv is None else f'{cv:.3f}'}"
+    )
+
+
 @main.command()
 @click.option("--watch", type=float, default=None, metavar="SECONDS", help="print again every SECONDS until interrupted.")
+@click.option("--fleet", is_flag=True, help="every live node in the index: hit rate per node, the fleet's, and its spread.")
 @click.pass_obj
 @_guarded
-def stats(ctx: Context, watch: float | None) -> None:
-    """Counters and occupancy of the daemon."""
+def stats(ctx: Context, watch: float | None, fleet: bool) -> None:
+    """Counters and occupancy of the daemon (or of the fleet)."""
     with ctx.client() as client:
         while True:
-            document = _stats_document(client)
-            ctx.emit(document, lambda: _print_stats(document))
+            if fleet:
+                document = _fleet_document(ctx, client)
+                ctx.emit(document, lambda: _print_fleet(document))
+            else:
+                document = _stats_document(client)
+                ctx.emit(document, lambda: _print_stats(document))
             if watch is None:
                 return
             try:

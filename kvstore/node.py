@@ -14,6 +14,7 @@ Owner: the daemon's event loop thread; nothing here is thread-safe.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from dataclasses import dataclass
@@ -78,6 +79,8 @@ class Node:
         self.limits = limits
         self.started_at = time.monotonic()
         self._sessions: dict[int, _Session] = {}
+        # what `kvstore stats --fleet` turns into this node's hit rate
+        self.lookup_counts: collections.Counter[str] = collections.Counter()
         self._session_ids = itertools.count(1)
 
     # -- sessions -----------------------------------------------------------------------
@@ -129,7 +132,13 @@ class Node:
     def lookup(self, digest: bytes, hashes: Sequence[BlockHash]) -> list[TierKind]:
         self._check_hashes(hashes)
         tiers = self.manager.lookup(digest, hashes)
-        self.metrics.lookup(digest, tiers, len(hashes), self._block_size(digest))
+        block_size = self._block_size(digest)
+        self.metrics.lookup(digest, tiers, len(hashes), block_size)
+        counts = self.lookup_counts
+        counts["lookup_hit_blocks"] += len(tiers)
+        counts["lookup_missed_blocks"] += len(hashes) - len(tiers)
+        counts["lookup_hit_tokens"] += len(tiers) * block_size
+        counts["lookup_missed_tokens"] += (len(hashes) - len(tiers)) * block_size
         return tiers
 
     def begin_save(self, session_id: int, digest: bytes, hashes: Sequence[BlockHash], parent: BlockHash | None) -> Reservation:
@@ -203,7 +212,7 @@ class Node:
             num_leases=manager.num_leases,
             num_reservations=manager.num_reservations,
             num_sessions=len(self._sessions),
-            counters=dict(manager.counters),
+            counters={**manager.counters, **self.lookup_counts},
         )
 
     def list_blocks(

@@ -143,3 +143,21 @@ def test_bad_match_and_route_requests_get_clear_errors(fleet):
             client.index.Route(pb.RouteRequest(namespace_id=NAMESPACE.digest, token_ids=list(range(64))))
         assert info.value.code == "INVALID_ARGUMENT" and "candidate" in str(info.value)
         assert client.admin.Stats(pb.StatsRequest()).num_blocks == 2  # still serving
+
+
+def test_stats_fleet_shows_hit_rate_per_node_and_its_spread(fleet):
+    import json
+
+    a, b = fleet("node-a"), fleet("node-b")
+    save(a, seed=6, num_blocks=10)
+    subprocess.run([sys.executable, str(ENGINE), str(a.socket), "load", "6", "10"], check=True, capture_output=True)
+    subprocess.run([sys.executable, str(ENGINE), str(b.socket), "load", "6", "10"], check=True, capture_output=True)
+    assert eventually(lambda: len(match(a, chain(6, 1))) == 1)
+    result = subprocess.run([sys.executable, "-m", "kvstore", "--address", a.address, "--json", "stats", "--fleet"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    fleet_view = json.loads(result.stdout)
+    rates = {n["node_id"]: n["hit_rate"] for n in fleet_view["nodes"]}
+    # each loading engine asks one lookup of 10 blocks: all cached on node-a, none on node-b
+    assert rates == {"node-a": 1.0, "node-b": 0.0}
+    assert fleet_view["fleet_hit_rate"] == 0.5
+    assert fleet_view["hit_rate_std"] == 0.5 and fleet_view["hit_rate_cv"] == 1.0

@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import HASH_BYTES, BlockHash
+from kvstore.index.base import NodeInfo
 from kvstore.index.scoring import Candidate, RouteDecision
 from kvstore.layout import KVLayout
 from kvstore.namespace import NAMESPACE_DIGEST_BYTES, Namespace
@@ -49,6 +50,7 @@ __all__ = [
     "route_tokens",
     "session_id",
     "route_response",
+    "node_info",
 ]
 
 MAX_NAME_CHARS = 1024  # model ids, tenant salts, node ids
@@ -349,3 +351,7 @@ def route_response(decision: RouteDecision) -> pb.RouteResponse:
         expected_cost_s=decision.expected_cost_s,
         reason=decision.reason,
     )
+
+
+def node_info(node: NodeInfo) -> pb.NodeInfo:
+    return pb.NodeInfo(node_id=node.node_id, grpc_address=node.grpc_address, transport_address=node.transport_address, kind=node.kind)

@@ -171,6 +171,11 @@ class IndexServicer(_NodeServicer, pb_grpc.IndexServicer):
         )
         return convert.route_response(decision)
 
+    @_served
+    async def Nodes(self, request: pb.NodesRequest, context) -> pb.NodesResponse:
+        nodes = await self.router.index.nodes()
+        return pb.NodesResponse(nodes=[convert.node_info(n) for n in sorted(nodes, key=lambda n: n.node_id)])
+
 
 class AdminServicer(_NodeServicer, pb_grpc.AdminServicer):
     service = "Admin"

@@ -140,6 +140,28 @@ class GetResponse(_message.Message):
     payloads: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, payloads: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
+class NodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "grpc_address", "transport_address", "kind")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    grpc_address: str
+    transport_address: str
+    kind: str
+    def __init__(self, node_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., transport_address: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class NodesResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
 class MatchRequest(_message.Message):
     __slots__ = ("namespace_id", "token_ids", "block_hashes", "node_ids")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]

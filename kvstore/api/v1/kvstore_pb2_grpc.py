@@ -253,6 +253,11 @@ class IndexStub(object):
                 request_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.Nodes = channel.unary_unary(
+                '/kvstore.v1.Index/Nodes',
+                request_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.NodesRequest.SerializeToString,
+                response_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.NodesResponse.FromString,
+                _registered_method=True)
 
 
 class IndexServicer(object):
@@ -268,7 +273,14 @@ class IndexServicer(object):
 
     def Route(self, request, context):
         """The node a request should go to: cached prefix weighed against load and session
-        affinity. Answered once the global index exists; UNIMPLEMENTED until then.
+        affinity, by the cost model of the daemon's [routing] configuration.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Nodes(self, request, context):
+        """The nodes whose lease in the block-location index is current.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -286,6 +298,11 @@ def add_IndexServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.RouteRequest.FromString,
                     response_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.RouteResponse.SerializeToString,
+            ),
+            'Nodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.Nodes,
+                    request_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.NodesRequest.FromString,
+                    response_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.NodesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -343,6 +360,33 @@ class Index(object):
             '/kvstore.v1.Index/Route',
             kvstore_dot_api_dot_v1_dot_kvstore__pb2.RouteRequest.SerializeToString,
             kvstore_dot_api_dot_v1_dot_kvstore__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Nodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Index/Nodes',
+            kvstore_dot_api_dot_v1_dot_kvstore__pb2.NodesRequest.SerializeToString,
+            kvstore_dot_api_dot_v1_dot_kvstore__pb2.NodesResponse.FromString,
             options,
             channel_credentials,
             insecure,

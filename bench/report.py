@@ -69,7 +69,7 @@ class Report:
 
     def print_table(self, title: str, columns: list[str], rows: list[list[Any]]) -> None:
         cells = [[_cell(v) for v in row] for row in rows]
-        widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+        widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
         print(f"\n{title}")
         print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
         for row in cells:

@@ -33,6 +33,8 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+import xxhash
+
 from kvstore.errors import InvalidArgument
 from kvstore.index.base import NodeMatch, SessionAffinity
 from kvstore.tiers.base import TierKind
@@ -175,9 +177,16 @@ def route(
     model: CostModel,
     affinity: SessionAffinity | None,
     policy: AffinityPolicy,
+    session_id: str = "",
 ) -> RouteDecision:
     """Pick the candidate to serve the prompt. ``matches`` (by node id) are what the index
-    answered; every node in it counts as a peer to fetch from when ``model.remote_fetch``."""
+    answered; every node in it counts as a peer to fetch from when ``model.remote_fetch``.
+
+    Candidates of equal cost (typically idle replicas that hold none of a new session's
+    prompt) are ranked by a rendezvous hash of the session id and the node id, then by
+    fewest active requests: new sessions spread over the fleet as consistent hashing
+    would spread them, instead of piling onto whichever node sorts first — and, since
+    affinity keeps them there, staying piled."""
     if not candidates:
         raise InvalidArgument("route needs at least one candidate node.")
     if len({candidate.node_id for candidate in candidates}) != len(candidates):
@@ -190,7 +199,8 @@ def route(
         best_peer_blocks = peers[0] if peers else 0
         match = matches.get(candidate.node_id)
         estimates.append(estimate(candidate, match, num_prompt_tokens, block_size, block_bytes, model, best_peer_blocks))
-    estimates.sort(key=lambda e: (e.cost_s, e.node_id))
+    active = {candidate.node_id: candidate.active_requests for candidate in candidates}
+    estimates.sort(key=lambda e: (e.cost_s, _rendezvous_rank(session_id, e.node_id), active[e.node_id], e.node_id))
     best = estimates[0]
     ranked = tuple(estimates)
     if affinity is None:
@@ -233,6 +243,13 @@ def _tier_counts(tiers: Sequence[TierKind]) -> dict[TierKind, int]:
     for tier in tiers:
         counts[tier] = counts.get(tier, 0) + 1
     return counts
+
+
+def _rendezvous_rank(session_id: str, node_id: str) -> int:
+    """Highest-random-weight order of nodes for a session (0 for every node without one)."""
+    if not session_id:
+        return 0
+    return -xxhash.xxh64_intdigest(f"{session_id}\x00{node_id}".encode())
 
 
 def _decision(chosen: Estimate, reason: str, moved_from: str | None, estimates: tuple[Estimate, ...]) -> RouteDecision:

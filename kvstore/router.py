@@ -78,6 +78,7 @@ class Router:
             self.model,
             affinity,
             self.policy,
+            session_id,
         )
         if session_id:
             await self.sessions.put(session_id, decision.node_id, self.config.session_ttl_s, decision.moved_from, decision.reason)

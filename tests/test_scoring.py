@@ -183,3 +183,18 @@ def test_argument_validation():
         decide([], [])
     with pytest.raises(InvalidArgument):
         decide([Candidate("a"), Candidate("a")], [])
+
+
+def test_new_sessions_spread_over_idle_nodes_by_rendezvous_hash():
+    from kvstore.index.scoring import AffinityPolicy, Candidate, CostModel
+    from kvstore.index.scoring import route as route_
+
+    model = CostModel(prefill_tokens_per_s=10_000, attention_context_tokens=64_000, host_bytes_per_s=20e9,
+                      nvme_bytes_per_s=5e9, remote_bytes_per_s=10e9, decode_s_per_request=0.0)
+    nodes = [Candidate(f"node-{i}") for i in range(8)]
+    chosen = [route_(nodes, {}, 1000, 16, 4096, model, None, AffinityPolicy(0.5, 0.25), f"session-{k}").node_id for k in range(800)]
+    counts = {n.node_id: chosen.count(n.node_id) for n in nodes}
+    assert min(counts.values()) >= 60 and max(counts.values()) <= 140  # ~100 each, not all on node-0
+    # deterministic: the same session always ranks the same node first
+    again = route_(nodes, {}, 1000, 16, 4096, model, None, AffinityPolicy(0.5, 0.25), "session-7").node_id
+    assert again == chosen[7]

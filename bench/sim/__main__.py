@@ -1,0 +1,162 @@
+"""Routing simulator: N replicas whose caches are kvstore's production tier manager, one
+workload, several routing policies side by side.
+
+    python -m bench.sim [--trace PATH | --workload coding-agent|mooncake] [--replicas 8]
+                        [--model kimi-k2|llama3-70b] [--cache-gb-per-replica GB]
+                        [--tier-split HBM,HOST,NVME] [--policies a,b,...]
+                        [--eviction leaf-first-lru|lru] [--sweep 20,40,60,80,100]
+                        [--quick] [--json] [--out DIR]
+
+Prints a table per cache size, writes ``<workload>.json`` and PNG plots into --out, and
+with --json ends stdout with the benchmark contract's line. Ratios compare kvstore with
+the oracle and with the best baseline at the largest cache size run; their targets apply
+to the coding-agent workload, whose default capacity is meant to be adequate (the
+sessions' live context fits the fleet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from bench.report import Report, parse_args
+from bench.sim.agents import PRESETS as AGENT_PRESETS
+from bench.sim.agents import CodingAgentWorkload
+from bench.sim.engine import SimConfig, simulate
+from bench.sim.models import PRESETS as MODEL_PRESETS
+from bench.sim.models import preset
+from bench.sim.policies import POLICIES, make_policy
+from bench.sim.replica import TierSizes
+from bench.sim.report import add_ratios, plot, print_summaries, summarize, write_json
+from bench.sim.traces import oracle_hit_rate, read_trace
+from bench.sim.workload import Request
+from kvstore.tiers.eviction import POLICIES as EVICTION_POLICIES
+
+MOONCAKE_TRACE = "mooncake_synthetic_trace.jsonl"
+QUICK_TRACE_REQUESTS = 1000  # the first ~4 minutes of the Mooncake trace
+# Default capacity per replica: the coding-agent preset keeps ~8M tokens of live context
+# (agents.py), ~560 GB of Kimi K2 KV over the fleet, ~70 GB a replica before the shared
+# prompts and the sessions that end; 150 GB leaves room for routing to be uneven.
+DEFAULT_CACHE_GB = {"coding-agent": 150.0, "trace": 60.0}
+GB = 1e9
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--trace", type=Path, help="a Mooncake-format JSON-lines trace to replay")
+    source.add_argument("--workload", choices=["coding-agent", "mooncake"], default="coding-agent", help="a generated coding-agent workload, or Mooncake's synthetic trace from shared/traces")
+    parser.add_argument("--agent-preset", choices=sorted(AGENT_PRESETS), help="coding-agent size (default: quick with --quick, else default)")
+    parser.add_argument("--seed", type=int, default=0, help="coding-agent workload seed")
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default="kimi-k2")
+    parser.add_argument("--cache-gb-per-replica", type=float, help="total cache per replica over all tiers (default: 150 for coding-agent, 60 for traces)")
+    parser.add_argument("--tier-split", default="0.25,0.25,0.5", help="fractions of the cache in HBM, host and NVMe")
+    parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of: {', '.join(POLICIES)}")
+    parser.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="leaf-first-lru")
+    parser.add_argument("--sweep", help="comma-separated cache sizes (GB per replica) to run instead of one")
+    parser.add_argument("--load-scale", type=float, default=1.0, help="multiply the arrival rate (compress time)")
+    parser.add_argument("--max-requests", type=int, help="replay only the first N requests")
+    parser.add_argument("--no-remote-fetch", action="store_true", help="kvstore's replicas never fetch blocks from peers")
+    parser.add_argument("--kvstore-decode-s-per-request", type=float, default=0.0, help="the kvstore router's decode_s_per_request (default 0: in this time model decode never delays a prefill)")
+    parser.add_argument("--out", type=Path, default=Path("bench/out/sim"), help="folder for the JSON file and plots")
+
+
+def main() -> None:
+    args = parse_args(__doc__.split("\n\n")[0], _options)
+    workload, requests = _workload(args)
+    fractions = _floats(args.tier_split, "--tier-split")
+    if len(fractions) != 3 or any(f < 0 for f in fractions) or abs(sum(fractions) - 1) > 1e-6:
+        sys.exit("--tier-split needs three fractions (HBM, host, NVMe) that add up to 1, e.g. 0.25,0.25,0.5.")
+    policies = [name.strip() for name in args.policies.split(",") if name.strip()]
+    unknown = [name for name in policies if name not in POLICIES]
+    if unknown:
+        sys.exit(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}.")
+    default_gb = DEFAULT_CACHE_GB["coding-agent" if workload == "coding-agent" else "trace"]
+    sizes = _floats(args.sweep, "--sweep") if args.sweep else [args.cache_gb_per_replica or default_gb]
+    model = preset(args.model)
+    speeds = dataclasses.replace(model.cost_model(remote_fetch=not args.no_remote_fetch), decode_s_per_request=args.kvstore_decode_s_per_request)
+    oracle = oracle_hit_rate(requests, per="token")
+    largest_prompt = max(r.num_prompt_tokens for r in requests)
+    print(f"workload {workload}: {len(requests):,} requests, {len({r.session_id for r in requests}):,} sessions, "
+          f"{sum(r.num_prompt_tokens for r in requests):,} prompt tokens, largest {largest_prompt:,}; oracle hit rate {oracle:.3f}")
+    print(f"model {model.name}: {model.bytes_per_token:,} KV bytes/token; {args.replicas} replicas; tiers {args.tier_split} (HBM, host, NVMe); eviction {args.eviction}")
+    report = Report("sim")
+    summaries, ttfts = [], {}
+    for size in sorted(sizes):
+        tier_sizes = TierSizes.split(size * GB, fractions)
+        if tier_sizes.hbm_bytes < largest_prompt * model.bytes_per_token:
+            print(f"note: at {size:g} GB/replica the HBM tier holds {tier_sizes.hbm_bytes // model.bytes_per_token:,} tokens; longer prompts are cached only in part")
+        config = SimConfig(model, tier_sizes, args.replicas, args.eviction, remote_fetch=not args.no_remote_fetch)
+        at_size = []
+        for name in policies:
+            result = simulate(requests, make_policy(name, args.replicas, speeds), config)
+            at_size.append(summarize(result, workload, size, oracle))
+            ttfts[name] = np.array([o.ttft_s for o in result.outcomes])  # the largest size's, in the end
+            print(f"  simulated {name} at {size:g} GB/replica in {result.wall_s:.1f} s", flush=True)
+        print_summaries(report, f"{workload}, {model.name}, {size:g} GB/replica", at_size)
+        summaries.extend(at_size)
+    add_ratios(report, summaries, oracle_target=workload == "coding-agent")
+    for s in summaries:
+        report.results.append({
+            "workload": s.workload, "policy": s.policy, "model": s.model, "cache_gb_per_replica": s.cache_gb_per_replica,
+            "hit_rate": round(s.hit_rate, 4), "oracle_hit_rate": round(s.oracle_hit_rate, 4),
+            "spread_std": round(s.spread_std, 4), "spread_cv": round(s.spread_cv, 4), "load_cv": round(s.load_cv, 4),
+            "ttft_p50_s": round(s.ttft_p50_s, 4), "ttft_p99_s": round(s.ttft_p99_s, 4),
+            "throughput_rps": round(s.throughput_rps, 4), "session_moves": s.session_moves,
+        })
+    run_config = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    json_path = args.out / f"{workload}.json"
+    write_json(json_path, run_config, summaries)
+    written = plot(args.out, workload, summaries, ttfts)
+    print(f"\nwrote {json_path}" + "".join(f", {path}" for path in written))
+    report.emit(args.json)
+
+
+def _workload(args: argparse.Namespace) -> tuple[str, list[Request]]:
+    if args.trace is not None or args.workload == "mooncake":
+        path = args.trace or _shared_trace()
+        requests = read_trace(path)
+        name = path.stem
+        if args.quick and args.max_requests is None:
+            requests = requests[:QUICK_TRACE_REQUESTS]
+    else:
+        agent_preset = args.agent_preset or ("quick" if args.quick else "default")
+        config = dataclasses.replace(AGENT_PRESETS[agent_preset], seed=args.seed)
+        requests = list(CodingAgentWorkload(config).requests())
+        name = "coding-agent"
+    if args.max_requests is not None:
+        requests = requests[: args.max_requests]
+    if args.load_scale != 1.0:
+        if args.load_scale <= 0:
+            sys.exit("--load-scale must be positive.")
+        requests = [dataclasses.replace(r, arrival_s=r.arrival_s / args.load_scale) for r in requests]
+    if not requests:
+        sys.exit("the workload has no requests.")
+    return name, requests
+
+
+def _shared_trace() -> Path:
+    root = Path(__file__).resolve().parents[2]
+    folders = [root / "shared/traces", root.parent / "shared/traces"]
+    if "KVSTORE_TRACES" in os.environ:
+        folders.insert(0, Path(os.environ["KVSTORE_TRACES"]))
+    for folder in folders:
+        if (folder / MOONCAKE_TRACE).is_file():
+            return folder / MOONCAKE_TRACE
+    sys.exit(f"{MOONCAKE_TRACE} is in none of {', '.join(map(str, folders))}; pass --trace PATH or set KVSTORE_TRACES.")
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        sys.exit(f"{flag} takes comma-separated numbers, got {text!r}.")
+
+
+if __name__ == "__main__":
+    main()

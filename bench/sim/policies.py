@@ -1,0 +1,222 @@
+"""Routing policies: which replica serves a request. Every policy sees the same fleet.
+
+- ``round-robin``: replicas in turn (Dynamo's and most gateways' default).
+- ``least-loaded``: fewest outstanding requests (queued, prefilling or decoding), as
+  Envoy's LEAST_REQUEST balancer; ties go to the next replica in turn.
+- ``session-hash``: consistent hashing of the session id on a ring of `VIRTUAL_NODES`
+  points per replica (XXH3-64 of "replica-k#v", so it is the same in every process).
+- ``longest-prefix``: llm-d's precise prefix-cache scorer (llm-d-kv-cache,
+  ``LongestPrefixScorer``): score = Σ over the blocks of the longest prefix a replica holds
+  of the weight of the tier each is in — llm-d's defaults are gpu 1.0, cpu 0.8; it has no
+  default for disk (an unknown medium weighs 1.0), NVMe is given 0.5 here. Highest score
+  wins; ties go to the least loaded. Deployed llm-d adds load scorers to this one; the
+  baseline is the prefix scorer alone, as asked.
+- ``dynamo``: Dynamo's KV router cost, ``overlap_score_weight × prefill_blocks +
+  decode_blocks``, lowest wins (router temperature 0): prefill_blocks = the replica's
+  prompt tokens still to prefill plus this prompt's uncached tokens, in blocks;
+  decode_blocks = the blocks of every request active on it plus this prompt's. The weight
+  defaults to 1.0, Dynamo's documented default. Cached blocks count in whatever tier.
+- ``kvstore``: kvstore's production router, `kvstore.index.scoring.route`: the expected
+  cost of each replica (queue + load + prefill seconds) with session affinity kept in a
+  dict with a TTL, margins and TTL from `RoutingConfig`'s defaults. Its replicas fetch
+  blocks from peers when that beats recomputing them (kvstore's transport).
+
+The prefix-aware policies read block locations from one `BlockLocations` index that the
+replicas' own tier-manager events feed (engine.py), as llm-d's and Dynamo's indexers are
+fed by engines' KV events.
+"""
+
+from __future__ import annotations
+
+import abc
+import bisect
+import collections
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import xxhash
+
+from bench.sim.replica import Replica, node_id, replica_index
+from bench.sim.workload import Request
+from kvstore.config import RoutingConfig
+from kvstore.errors import InvalidArgument
+from kvstore.index import scoring
+from kvstore.index.base import SessionAffinity
+from kvstore.index.locations import BlockLocations
+from kvstore.tiers.base import TierKind
+
+__all__ = ["Fleet", "RoutingPolicy", "POLICIES", "make_policy", "VIRTUAL_NODES", "LLMD_TIER_WEIGHTS", "DYNAMO_OVERLAP_WEIGHT"]
+
+VIRTUAL_NODES = 160  # ketama's customary count: a replica's share is within a few % of 1/N
+LLMD_TIER_WEIGHTS = {TierKind.GPU: 1.0, TierKind.HBM: 1.0, TierKind.HOST: 0.8, TierKind.NVME: 0.5}
+DYNAMO_OVERLAP_WEIGHT = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """What a router can see: the replicas' load, and where blocks live."""
+
+    replicas: tuple[Replica, ...]
+    index: BlockLocations | None
+    namespace: bytes
+    block_bytes: int
+
+
+class RoutingPolicy(abc.ABC):
+    name: str
+    uses_index: bool = False  # reads block locations
+    remote_fetch: bool = False  # its replicas fetch blocks from peers
+
+    @abc.abstractmethod
+    def choose(self, request: Request, fleet: Fleet, now: float) -> int:
+        """The index of the replica to serve ``request``."""
+
+
+class _Rotation:
+    """Ties go to the first tied replica at or after a cursor that moves past each pick, so
+    an idle fleet is filled in turn rather than piled onto replica 0."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def pick(self, keys: Sequence) -> int:
+        count = len(keys)
+        start = self._next
+        best = min(range(count), key=lambda offset: (keys[(start + offset) % count], offset))
+        chosen = (start + best) % count
+        self._next = chosen + 1
+        return chosen
+
+
+class RoundRobin(RoutingPolicy):
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._count = 0
+
+    def choose(self, request: Request, fleet: Fleet, now: float) -> int:
+        chosen = self._count % len(fleet.replicas)
+        self._count += 1
+        return chosen
+
+
+class LeastLoaded(RoutingPolicy):
+    name = "least-loaded"
+
+    def __init__(self) -> None:
+        self._rotation = _Rotation()
+
+    def choose(self, request: Request, fleet: Fleet, now: float) -> int:
+        return self._rotation.pick([replica.num_outstanding for replica in fleet.replicas])
+
+
+class SessionHash(RoutingPolicy):
+    name = "session-hash"
+
+    def __init__(self, num_replicas: int, virtual_nodes: int = VIRTUAL_NODES) -> None:
+        ring = sorted((xxhash.xxh3_64_intdigest(f"{node_id(k)}#{v}".encode()), k) for k in range(num_replicas) for v in range(virtual_nodes))
+        self._points = [point for point, _ in ring]
+        self._owners = [owner for _, owner in ring]
+
+    def choose(self, request: Request, fleet: Fleet, now: float) -> int:
+        position = bisect.bisect(self._points, xxhash.xxh3_64_intdigest(request.session_id.encode()))
+        return self._owners[position % len(self._points)]
+
+
+class LongestPrefix(RoutingPolicy):
+    name = "longest-prefix"
+    uses_index = True
+
+    def __init__(self, tier_weights: dict[TierKind, float] = LLMD_TIER_WEIGHTS) -> None:
+        self._weights = tier_weights
+        self._rotation = _Rotation()
+
+    def choose(self, request: Request, fleet: Fleet, now: float) -> int:
+        scores = dict.fromkeys(range(len(fleet.replicas)), 0.0)
+        for match in _matches(request, fleet):
+            counts = collections.Counter(match.tiers)  # in C: a match is hundreds of blocks
+            scores[replica_index(match.node_id)] = sum(count * self._weights[tier] for tier, count in counts.items())
+        return self._rotation.pick([(-scores[k], replica.num_outstanding) for k, replica in enumerate(fleet.replicas)])
+
+
+class DynamoCost(RoutingPolicy):
+    name = "dynamo"
+    uses_index = True
+
+    def __init__(self, overlap_weight: float = DYNAMO_OVERLAP_WEIGHT) -> None:
+        self._weight = overlap_weight
+        self._rotation = _Rotation()
+
+    def choose(self, request: Request, fleet: Fleet, now: float) -> int:
+        overlap = dict.fromkeys(range(len(fleet.replicas)), 0)
+        for match in _matches(request, fleet):
+            overlap[replica_index(match.node_id)] = match.num_blocks
+        block_tokens = request.block_tokens
+        prompt_blocks = -(-request.num_prompt_tokens // block_tokens)
+        costs = []
+        for k, replica in enumerate(fleet.replicas):
+            new_tokens = max(0, request.num_prompt_tokens - overlap[k] * block_tokens)
+            prefill_blocks = (replica.queued_new_tokens(now) + new_tokens) / block_tokens
+            decode_blocks = replica.active_blocks + prompt_blocks
+            costs.append(self._weight * prefill_blocks + decode_blocks)
+        return self._rotation.pick(costs)
+
+
+class KvstoreCost(RoutingPolicy):
+    name = "kvstore"
+    uses_index = True
+
+    def __init__(self, speeds: scoring.CostModel, routing: RoutingConfig = RoutingConfig()) -> None:
+        self.remote_fetch = speeds.remote_fetch
+        self._speeds = speeds
+        self._affinity_policy = scoring.AffinityPolicy(margin_s=routing.margin_s, margin_ratio=routing.margin_ratio)
+        self._ttl_s = routing.session_ttl_s
+        self._sessions: dict[str, tuple[SessionAffinity, float]] = {}  # session -> (affinity, expires at)
+        self.num_moves = 0
+
+    def choose(self, request: Request, fleet: Fleet, now: float) -> int:
+        matches = {match.node_id: match for match in _matches(request, fleet)}
+        candidates = [scoring.Candidate(r.node_id, r.queued_new_tokens(now), r.num_decoding) for r in fleet.replicas]
+        held = self._sessions.get(request.session_id)
+        affinity = held[0] if held is not None and held[1] > now else None
+        decision = scoring.route(
+            candidates,
+            matches,
+            request.num_prompt_tokens,
+            request.block_tokens,
+            fleet.block_bytes,
+            self._speeds,
+            affinity,
+            self._affinity_policy,
+            request.session_id,
+        )
+        num_moves = affinity.num_moves if affinity is not None else 0
+        if affinity is not None and decision.node_id != affinity.node_id:
+            num_moves += 1
+            self.num_moves += 1
+        self._sessions[request.session_id] = (SessionAffinity(request.session_id, decision.node_id, num_moves), now + self._ttl_s)
+        return replica_index(decision.node_id)
+
+
+def _matches(request: Request, fleet: Fleet):
+    if fleet.index is None or not request.block_hashes:
+        return []
+    return fleet.index.match(fleet.namespace, request.block_hashes)
+
+
+POLICIES: dict[str, Callable[[int, scoring.CostModel], RoutingPolicy]] = {
+    "round-robin": lambda num_replicas, speeds: RoundRobin(),
+    "least-loaded": lambda num_replicas, speeds: LeastLoaded(),
+    "session-hash": lambda num_replicas, speeds: SessionHash(num_replicas),
+    "longest-prefix": lambda num_replicas, speeds: LongestPrefix(),
+    "dynamo": lambda num_replicas, speeds: DynamoCost(),
+    "kvstore": lambda num_replicas, speeds: KvstoreCost(speeds),
+}
+
+
+def make_policy(name: str, num_replicas: int, speeds: scoring.CostModel) -> RoutingPolicy:
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise InvalidArgument(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}.") from None
+    return factory(num_replicas, speeds)

@@ -62,7 +62,12 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-scale", type=float, default=1.0, help="multiply the arrival rate (compress time)")
     parser.add_argument("--max-requests", type=int, help="replay only the first N requests")
     parser.add_argument("--no-remote-fetch", action="store_true", help="kvstore's replicas never fetch blocks from peers")
-    parser.add_argument("--kvstore-decode-s-per-request", type=float, default=0.0, help="the kvstore router's decode_s_per_request (default 0: in this time model decode never delays a prefill)")
+    parser.add_argument(
+        "--kvstore-decode-s-per-request", type=float, default=0.05,
+        help="the load the kvstore router expects per decoding request, in seconds (default 0.05: this time model never "
+        "lets decode delay a prefill, but a real replica's iterations slow with its batch; without any such term the "
+        "router piles new sessions onto the replicas that already hold their agent's system prompt)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/out/sim"), help="folder for the JSON file and plots")
 
 

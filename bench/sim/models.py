@@ -93,7 +93,8 @@ class ModelPreset:
     def cost_model(self, remote_fetch: bool = True) -> CostModel:
         """The replica's speeds in kvstore's routing cost model. Decode runs as a concurrent
         batch that never delays a prefill in this simulator (engine.py), so a decoding
-        request adds nothing to the queue a new prompt waits in."""
+        request adds nothing to the queue here; the CLI then sets the load the router
+        expects per decoding request (``--kvstore-decode-s-per-request``)."""
         return CostModel(
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             attention_context_tokens=self.attention_context_tokens,

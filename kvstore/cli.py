@@ -391,7 +391,7 @@ def evict(ctx: Context, namespace: str | None, tier: str | None, min_idle: float
 
 
 def _pin_command(name: str, rpc: str, verb: str):
-    @main.command(name=name, help=f"{verb.capitalize()} blocks (by hash) so that eviction {'skips' if name == 'pin' else 'may take'} them.")
+    @main.command(name=name, help=f"{name.capitalize()} blocks (by hash) so that eviction {'skips them' if name == 'pin' else 'may take them again'}.")
     @click.option("--namespace", required=True, help="namespace id (32 hex digits).")
     @click.argument("hashes", nargs=-1, required=True)
     @click.pass_obj

@@ -18,5 +18,6 @@ def open_index(config: IndexConfig) -> tuple[Index, SessionStore]:
         return EmbeddedIndex(), EmbeddedSessionStore()
     from kvstore.index.redis import RedisIndex, RedisSessionStore  # redis-py only where configured
 
+    # one connection for both; the index owns it and closes it with itself
     index = RedisIndex.from_url(config.backend)
-    return index, RedisSessionStore.from_url(config.backend)
+    return index, RedisSessionStore(config.backend, client=index.client)

@@ -149,6 +149,11 @@ class RedisIndex(Index):
     def num_round_trips(self) -> int:
         return self._redis.num_round_trips
 
+    @property
+    def client(self) -> RedisClient:
+        """This index's connection, to share with a `RedisSessionStore`."""
+        return self._redis.client
+
     async def register(self, node: NodeInfo, lease_ttl_s: float) -> bool:
         """Set or renew the node's lease. True when a current lease was renewed; False when
         a new epoch began, i.e. the index holds none of the node's blocks any more."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterator
 
 from kvstore.spawn import serve_command, spawn_daemon
 
@@ -73,3 +75,22 @@ def new_daemon(tmp_path: Path, **kwargs) -> Daemon:
     workdir = tmp_path / f"node-{uuid.uuid4().hex[:6]}"
     workdir.mkdir()
     return Daemon(workdir=workdir, node_id=kwargs.pop("node_id", f"n{uuid.uuid4().hex[:6]}"), **kwargs)
+
+
+@contextlib.contextmanager
+def daemons(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    """Start daemons with ``start(**Daemon fields)``; all are killed at exit and their
+    shared-memory files removed (a killed daemon cannot remove its own)."""
+    started: list[Daemon] = []
+
+    def start(**kwargs) -> Daemon:
+        daemon = new_daemon(tmp_path, **kwargs).start()
+        started.append(daemon)
+        return daemon
+
+    try:
+        yield start
+    finally:
+        for daemon in started:
+            daemon.stop(signal.SIGKILL)
+            Path(f"/dev/shm/kvstore-test-{daemon.node_id}").unlink(missing_ok=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_harness import new_daemon
+from daemon_harness import daemons
 from kvstore.api.client import ApiError, connect
 from kvstore.api.v1 import kvstore_pb2 as pb
 
@@ -33,17 +33,8 @@ def stats(daemon, token=""):
 
 @pytest.fixture
 def daemon(tmp_path):
-    started = []
-
-    def start(**kwargs):
-        d = new_daemon(tmp_path, **kwargs).start()
-        started.append(d)
-        return d
-
-    yield start
-    for d in started:
-        d.stop(signal.SIGKILL if d.process and d.process.poll() is None else signal.SIGTERM)
-        Path(f"/dev/shm/kvstore-test-{d.node_id}").unlink(missing_ok=True)
+    with daemons(tmp_path) as start:
+        yield start
 
 
 def test_two_engine_processes_share_blocks(daemon):

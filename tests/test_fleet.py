@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_harness import new_daemon
+from daemon_harness import daemons
 from engine_proc import LAYOUT, NAMESPACE
 from kvstore.api.client import ApiError, connect
 from kvstore.api.v1 import kvstore_pb2 as pb
@@ -56,23 +56,14 @@ def redis(tmp_path):
 
 @pytest.fixture
 def fleet(tmp_path, redis):
-    started = []
-
-    def start(node_id):
-        settings = {
-            "index.backend": redis.url,
-            "index.lease_ttl_s": str(LEASE_TTL_S),
-            "index.heartbeat_interval_s": "0.4",
-            "index.publish_interval_s": "0.05",
-        }
-        d = new_daemon(tmp_path, node_id=node_id, extra=settings).start()
-        started.append(d)
-        return d
-
-    yield start
-    for d in started:
-        d.stop(signal.SIGKILL if d.process and d.process.poll() is None else signal.SIGTERM)
-        Path(f"/dev/shm/kvstore-test-{d.node_id}").unlink(missing_ok=True)
+    settings = {
+        "index.backend": redis.url,
+        "index.lease_ttl_s": str(LEASE_TTL_S),
+        "index.heartbeat_interval_s": "0.4",
+        "index.publish_interval_s": "0.05",
+    }
+    with daemons(tmp_path) as start:
+        yield lambda node_id: start(node_id=node_id, extra=settings)
 
 
 def test_matches_agree_with_what_each_daemon_holds(fleet):

@@ -3,7 +3,7 @@
 Sources, later ones winning: embedded defaults (sized from this machine's free memory and
 disk) ← a TOML file ← ``KVSTORE_<SECTION>_<FIELD>`` environment variables ← command-line
 ``--set section.field=value`` (and the CLI's named flags). Sections: ``server``, ``host``,
-``nvme``, ``manager``. Sizes accept ``"8GiB"``-style strings. Every error names the field::
+``nvme``, ``manager``, ``index``, ``routing``, ``transport``. Sizes accept ``"8GiB"``-style strings. Every error names the field::
 
     [server]
     socket_path = "/run/kvstore/kvstore.sock"
@@ -40,6 +40,7 @@ from kvstore.paths import default_cache_dir, default_socket_path
 from kvstore.tiers.host import HostTierConfig
 from kvstore.tiers.manager import TierManagerConfig
 from kvstore.tiers.nvme import NvmeTierConfig
+from kvstore.transport.config import TransportConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -143,6 +144,7 @@ class DaemonConfig:
     manager: TierManagerConfig
     index: IndexConfig = IndexConfig()
     routing: RoutingConfig = RoutingConfig()
+    transport: TransportConfig = TransportConfig()
 
 
 def parse_size(value: Any, name: str) -> int:
@@ -190,6 +192,7 @@ _SECTIONS = {
     "manager": TierManagerConfig,
     "index": IndexConfig,
     "routing": RoutingConfig,
+    "transport": TransportConfig,
 }
 _EXTRA_NVME_KEYS = {"enabled"}
 
@@ -311,10 +314,11 @@ def load_config(
         manager = TierManagerConfig(**values["manager"])
         index = IndexConfig(**values["index"])
         routing = RoutingConfig(**values["routing"])
+        transport = TransportConfig(**values["transport"])
     except ConfigError:
         raise
     except InvalidArgument as exc:
         raise ConfigError(f"invalid configuration: {exc}") from exc
     except TypeError as exc:
         raise ConfigError(f"invalid configuration: {exc}.") from exc
-    return DaemonConfig(server=server, host=host, nvme=nvme, manager=manager, index=index, routing=routing)
+    return DaemonConfig(server=server, host=host, nvme=nvme, manager=manager, index=index, routing=routing, transport=transport)

@@ -8,7 +8,8 @@
     ├── CapacityExhausted      no slot can be freed for the request (everything pinned or leased)
     ├── TierUnavailable        a tier cannot be used right now (disk full, directory unwritable)
     ├── CorruptBlock           stored bytes failed verification; callers treat it as a miss
-    └── ReservationExpired     a writer committed after its reservation timed out
+    ├── ReservationExpired     a writer committed after its reservation timed out
+    └── TransferFailed         a peer transfer broke off (peer gone, deadline, bad frame)
 
 Each message is a sentence that says what was wrong and, where it helps, what to do.
 Foreign errors (OS, gRPC, Redis, UCX) are translated where they enter kvstore and
@@ -27,6 +28,7 @@ __all__ = [
     "TierUnavailable",
     "CorruptBlock",
     "ReservationExpired",
+    "TransferFailed",
 ]
 
 
@@ -64,3 +66,8 @@ class CorruptBlock(KVStoreError):
 
 class ReservationExpired(KVStoreError):
     """A reservation was committed after it expired; its slots were already reclaimed."""
+
+
+class TransferFailed(KVStoreError):
+    """A block transfer with a peer daemon broke off: the peer went away, the deadline
+    passed, or a frame failed verification. What arrived intact before stays usable."""

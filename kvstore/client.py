@@ -44,7 +44,7 @@ from kvstore.tiers.base import TierKind, byte_view, copy_bytes
 from kvstore.tiers.host import SharedSlab
 from kvstore.tiers.slab import Slot
 
-__all__ = ["KVStoreClient", "AsyncKVStoreClient", "LookupResult"]
+__all__ = ["KVStoreClient", "AsyncKVStoreClient", "LookupResult", "PendingSave", "Lease"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +59,34 @@ class LookupResult:
     @property
     def num_tokens(self) -> int:
         return len(self.tiers) * self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class PendingSave:
+    """Slots reserved for a save, written in place before ``commit``.
+
+    ``views[k]`` is the writable slab slot (uint8, ``block_bytes`` long) of
+    ``hashes[indices[k]]``; hashes that were cached already have no slot and nothing
+    to write."""
+
+    reservation_id: int
+    indices: tuple[int, ...]
+    views: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """Leased slots of the longest cached prefix, readable until ``release``.
+
+    ``views[k]`` is the slab slot of block k of the prefix; the blocks cannot be evicted
+    or moved while leased."""
+
+    lease_ids: tuple[int, ...]
+    views: tuple[torch.Tensor, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.views)
 
 
 class _Codec:
@@ -102,6 +130,10 @@ class _Codec:
         nbytes = self.block_bytes[digest]
         for index, offset in placements:
             copy_bytes(self.slab.view(Slot(offset, nbytes), nbytes), views[index])
+
+    def slot_views(self, digest: bytes, offsets: list[int]) -> tuple[torch.Tensor, ...]:
+        nbytes = self.nbytes(digest)
+        return tuple(self.slab.view(Slot(offset, nbytes), nbytes) for offset in offsets)
 
     def copy_out(self, digest: bytes, offsets: list[int], views: list[torch.Tensor]) -> None:
         nbytes = self.block_bytes[digest]
@@ -169,6 +201,49 @@ class KVStoreClient:
                 break
             done += len(offsets)
         return done
+
+    # -- in-place access: connectors that write or read a block one layer at a time --------
+    # The views below are the slab slots themselves; a layer-wise connector fills a
+    # reservation as the forward pass produces each layer and reads a lease as each
+    # layer is needed, so no whole-block staging copy exists on either side.
+    def begin_save(self, namespace: bytes, hashes: Sequence[BlockHash], parent_hash: BlockHash | None = None) -> PendingSave:
+        """Reserve slots for the blocks of ``hashes`` not cached yet; fill them, then ``commit``."""
+        self._codec.nbytes(namespace)
+        reservation_id, placements = self._call(Op.RESERVE, namespace, pack_hashes(hashes), parent_hash)
+        indices = tuple(index for index, _ in placements)
+        views = self._codec.slot_views(namespace, [offset for _, offset in placements])
+        return PendingSave(reservation_id, indices, views)
+
+    def commit(self, pending: PendingSave) -> int:
+        """Make a filled reservation visible; returns how many blocks were stored."""
+        return self._call(Op.COMMIT, pending.reservation_id, None)
+
+    def abort(self, pending: PendingSave) -> None:
+        """Drop a reservation whose slots were not (all) written; nothing becomes visible."""
+        self._call(Op.ABORT, pending.reservation_id)
+
+    def acquire(self, namespace: bytes, hashes: Sequence[BlockHash]) -> Lease:
+        """Lease the longest cached prefix of ``hashes`` (NVMe blocks are promoted and
+        verified first; a block that fails verification ends the prefix)."""
+        self._codec.nbytes(namespace)
+        lease_ids: list[int] = []
+        views: list[torch.Tensor] = []
+        try:
+            while len(views) < len(hashes):
+                lease_id, offsets = self._call(Op.ACQUIRE, namespace, pack_hashes(hashes[len(views):]))
+                lease_ids.append(lease_id)
+                if not offsets:
+                    break
+                views.extend(self._codec.slot_views(namespace, offsets))
+        except BaseException:
+            self.release(Lease(tuple(lease_ids), ()))
+            raise
+        return Lease(tuple(lease_ids), tuple(views))
+
+    def release(self, lease: Lease) -> None:
+        """Give the leased slots back (not waited for: nothing can be done about a failure)."""
+        for lease_id in lease.lease_ids:
+            self._send(Op.RELEASE | Op.NO_REPLY, lease_id)
 
     def close(self) -> None:
         self._codec.close()

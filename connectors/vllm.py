@@ -1,0 +1,117 @@
+"""kvstore as a vLLM KV connector (``KVConnectorBase_V1``).
+
+Load it with::
+
+    KVTransferConfig(
+        kv_connector="KVStoreConnector",
+        kv_connector_module_path="kvstore.connectors.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"socket_path": "/run/kvstore/kvstore.sock", "tenant_salt": ""},
+    )
+
+``kv_both`` offloads every full prompt block to the local daemon as the forward pass
+writes it and, for a new request, loads the longest prefix the daemon holds beyond
+vLLM's own prefix-cache hit, layer by layer. The scheduler half (``vllm_scheduler``)
+decides what each step loads and saves; the worker half (``vllm_worker``) moves the
+bytes; ``vllm_compat`` holds everything tied to one vLLM version. This class only routes
+vLLM's calls to the half that runs in its process.
+
+A block that cannot be loaded after all is reported through
+``get_block_ids_with_load_errors``; with ``kv_load_failure_policy="recompute"`` vLLM
+recomputes it (vLLM's default, ``"fail"``, fails the request instead).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvstore.connectors.vllm_compat import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    cache_hit_sources,
+    engine_geometry,
+)
+from kvstore.connectors.vllm_meta import ConnectorSettings, KVStoreConnectorMetadata
+from kvstore.connectors.vllm_scheduler import SchedulerSide
+from kvstore.connectors.vllm_worker import WorkerSide
+from kvstore.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = ["KVStoreConnector"]
+
+logger = logging.getLogger(__name__)
+_ROLES = ("kv_both",)
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        if transfer.kv_role not in _ROLES:
+            raise InvalidArgument(f"kv_role {transfer.kv_role!r} is not supported by the kvstore connector; use one of {_ROLES}.")
+        if transfer.kv_load_failure_policy != "recompute":
+            logger.warning("kvstore: kv_load_failure_policy=%r fails a request whose cached block cannot be loaded "
+                           "(evicted, or failed its checksum); set 'recompute' to recompute it instead",
+                           transfer.kv_load_failure_policy)
+        settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        geometry = engine_geometry(vllm_config, settings.model_id or None)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(settings, geometry, saves=True)
+        else:
+            self._worker = WorkerSide(settings, geometry, vllm_config)
+
+    # -- scheduler side --------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
+        hit_tiers = self._scheduler.hit_tiers(request.request_id)
+        return cache_hit_sources(hit_tiers, num_external_tokens, self._vllm_config.cache_config.block_size)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._scheduler.build_metadata(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.finished(request)
+        return False, None
+
+    # -- worker side -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker.start_load(self._metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.wait_for_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self._worker.save_layer(layer_name, self._metadata())
+
+    def wait_for_save(self) -> None:
+        self._worker.finish_step()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        for side in (self._scheduler, self._worker):
+            if side is not None:
+                side.close()
+
+    def _metadata(self) -> KVStoreConnectorMetadata:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVStoreConnectorMetadata)
+        return metadata

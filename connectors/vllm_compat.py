@@ -1,0 +1,216 @@
+"""Everything the vLLM connector knows about vLLM's internals, in one place.
+
+The connector modules talk to vLLM only through this shim: the base classes, how to
+read the engine's geometry from its config, how scheduler outputs carry block ids, and
+how one block of the engine's paged KV cache is laid out. When a vLLM release moves one
+of these, this file changes and the connector does not (written against vllm 0.32).
+
+kvstore stores vLLM's KV as ``HND`` planes: per layer, the K plane then the V plane, each
+``num_kv_heads × block_size × head_dim``. vLLM's CPU backend keeps a layer as
+``(num_blocks, num_kv_heads, block_size, 2·head_size)``, but where each element sits
+inside a block depends on the attention kernel the CPU supports (the ``vec`` kernel
+stores K transposed, head_dim-major; the AMX kernel packs it for its tiles). Rather than
+hard-code each kernel's packing, ``BlockOrder.discover`` asks the engine's own
+cache-write kernel: it writes keys and values whose digits name their (plane, head,
+token, dim) into a scratch block, reads back where each landed, and derives the gather
+index between the engine's block and the store's planes. The stored bytes are therefore
+the same whichever kernel wrote them, and a kernel whose block is not a plain
+permutation of the planes is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+
+from kvstore.errors import InvalidArgument
+from kvstore.tiers.base import TierKind
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+__all__ = [
+    "KVConnectorBase_V1",
+    "KVConnectorMetadata",
+    "KVConnectorRole",
+    "EngineGeometry",
+    "STORE_INNER_ORDER",
+    "engine_geometry",
+    "worker_tp_rank",
+    "layer_index",
+    "BlockOrder",
+    "check_kv_cache",
+    "ScheduledRequest",
+    "scheduled_requests",
+    "first_group_block_ids",
+    "prompt_token_ids",
+    "cache_hit_sources",
+]
+
+STORE_INNER_ORDER = "HND"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineGeometry:
+    """What makes this engine's KV bytes what they are, read from its config."""
+
+    model_id: str
+    num_layers: int
+    num_kv_heads: int  # per tensor-parallel rank
+    head_dim: int
+    block_size: int
+    dtype: str
+    tp_size: int
+    pp_size: int
+
+
+def engine_geometry(vllm_config: "VllmConfig", model_id: str | None) -> EngineGeometry:
+    model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    if cache.cache_dtype != "auto":
+        raise InvalidArgument(
+            f"the kvstore connector stores KV in the model dtype; kv_cache_dtype={cache.cache_dtype!r} "
+            "(quantized KV with per-layer scales) is not supported, use kv_cache_dtype='auto'."
+        )
+    if parallel.pipeline_parallel_size != 1:
+        raise InvalidArgument("the kvstore connector does not support pipeline parallelism yet; use pipeline_parallel_size=1.")
+    return EngineGeometry(
+        model_id=model_id or model.model,
+        num_layers=model.get_num_layers(parallel),
+        num_kv_heads=model.get_num_kv_heads(parallel),
+        head_dim=model.get_head_size(),
+        block_size=cache.block_size,
+        dtype=str(model.dtype).removeprefix("torch."),
+        tp_size=parallel.tensor_parallel_size,
+        pp_size=parallel.pipeline_parallel_size,
+    )
+
+
+def worker_tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def layer_index(layer_name: str) -> int:
+    return extract_layer_index(layer_name)
+
+
+def check_kv_cache(name: str, cache: torch.Tensor, geometry: EngineGeometry) -> None:
+    """Refuse a layer whose tensor is not block-major with one block's planes per row."""
+    block_elements = 2 * geometry.num_kv_heads * geometry.block_size * geometry.head_dim
+    if cache.dim() < 2 or cache[0].numel() != block_elements or not cache.is_contiguous():
+        raise InvalidArgument(
+            f"KV cache layer {name} has shape {tuple(cache.shape)}; the kvstore connector needs a contiguous, "
+            f"block-major cache holding {block_elements} elements (K and V) per block, as vLLM's CPU backend does."
+        )
+    if str(cache.dtype).removeprefix("torch.") != geometry.dtype:
+        raise InvalidArgument(f"KV cache layer {name} holds {cache.dtype}, but the model dtype is {geometry.dtype}.")
+
+
+class BlockOrder:
+    """Where each element of the store's ``(2, heads, tokens, dim)`` planes lives inside
+    one engine block, as a gather index over the block's flattened elements."""
+
+    _DIGIT_BASE = 16  # digits 0…15 are exact in every float dtype, fp8 included
+
+    def __init__(self, gather: torch.Tensor) -> None:
+        self.gather = gather
+
+    @classmethod
+    def discover(cls, vllm_config: "VllmConfig", layer_name: str, cache: torch.Tensor, geometry: EngineGeometry) -> "BlockOrder":
+        layer = vllm_config.compilation_config.static_forward_context[layer_name]
+        heads, tokens, dim = geometry.num_kv_heads, geometry.block_size, geometry.head_dim
+        count = 2 * heads * tokens * dim
+        # canonical index of (plane, head, token, dim) in the store's order, laid out as the
+        # kernel's inputs want it: (tokens, heads, dim) per plane
+        canonical = torch.arange(count).view(2, heads, tokens, dim).permute(0, 2, 1, 3)
+        native_index = torch.zeros(cache[0].numel(), dtype=torch.long)
+        place = 1
+        slots = torch.arange(tokens, dtype=torch.long)
+        for _ in range(max(1, -(-count.bit_length() // 4))):
+            digits = (canonical // place) % cls._DIGIT_BASE
+            scratch = torch.full((1, *cache.shape[1:]), -1.0, dtype=cache.dtype)
+            key, value = digits[0].to(cache.dtype).contiguous(), digits[1].to(cache.dtype).contiguous()
+            layer.impl.do_kv_cache_update(layer, key, value, scratch, slots)
+            written = scratch.view(-1).float()
+            if bool((written < 0).any()) or bool((written >= cls._DIGIT_BASE).any()):
+                raise InvalidArgument(
+                    f"the KV cache kernel of layer {layer_name} does not store K and V as plain elements of one block; "
+                    "the kvstore connector cannot read this cache layout."
+                )
+            native_index += written.long() * place
+            place *= cls._DIGIT_BASE
+        if not torch.equal(torch.bincount(native_index, minlength=count), torch.ones(count, dtype=torch.long)):
+            raise InvalidArgument(
+                f"the KV cache kernel of layer {layer_name} does not store each K and V element exactly once per block; "
+                "the kvstore connector cannot read this cache layout."
+            )
+        gather = torch.empty(count, dtype=torch.long)
+        gather[native_index] = torch.arange(count)
+        return cls(gather)
+
+    def save(self, native_block: torch.Tensor, planes: torch.Tensor) -> None:
+        """Write one engine block (one layer) into ``planes``, a flat store-order tensor."""
+        torch.index_select(native_block.view(-1), 0, self.gather, out=planes)
+
+    def load(self, planes: torch.Tensor, native_block: torch.Tensor) -> None:
+        native_block.view(-1).index_copy_(0, self.gather, planes)
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request of a scheduler step, as the save path needs it."""
+
+    req_id: str
+    num_computed_tokens: int  # before this step
+    num_scheduled_tokens: int
+    block_ids: list[int] | None  # new requests: all; running ones: appended blocks
+    replaces_block_ids: bool  # new or resumed: ``block_ids`` is the whole table
+    prompt_token_ids: list[int] | None  # new requests only
+
+
+def first_group_block_ids(block_ids: Any) -> list[int]:
+    """Block ids of the first (only) KV cache group; vLLM passes one list per group."""
+    return list(block_ids[0])
+
+
+def scheduled_requests(output: "SchedulerOutput") -> list[ScheduledRequest]:
+    steps = output.num_scheduled_tokens
+    requests = [
+        ScheduledRequest(new.req_id, new.num_computed_tokens, steps[new.req_id], first_group_block_ids(new.block_ids), True,
+                         list(new.prompt_token_ids or ()))
+        for new in output.scheduled_new_reqs
+    ]
+    cached = output.scheduled_cached_reqs
+    for index, req_id in enumerate(cached.req_ids):
+        new_ids = cached.new_block_ids[index]
+        requests.append(ScheduledRequest(
+            req_id, cached.num_computed_tokens[index], steps[req_id],
+            None if new_ids is None else first_group_block_ids(new_ids), req_id in cached.resumed_req_ids, None,
+        ))
+    return requests
+
+
+def prompt_token_ids(request: Any) -> list[int]:
+    return list(request.prompt_token_ids or ())
+
+
+def cache_hit_sources(hit_tiers: tuple[TierKind, ...], num_external_tokens: int, block_size: int) -> dict:
+    """vLLM's per-source split of an external hit (whole blocks, the first of the hit):
+    host memory or disk, by the tier each block was found in."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    counts: dict = {}
+    for tier in hit_tiers[: num_external_tokens // block_size]:
+        source = CacheHitSource.DISK if tier is TierKind.NVME else CacheHitSource.HOST
+        counts[source] = counts.get(source, 0) + block_size
+    return counts

@@ -1,0 +1,227 @@
+"""The worker half of the vLLM connector: moves KV between vLLM's paged cache and the
+daemon's shared-memory slab, one layer at a time.
+
+Loading: ``start_load`` leases the stored blocks of every request of the step (one round
+trip each; the daemon promotes NVMe blocks and verifies them first) and queues one copy
+per layer on a copy thread, so layer i+1 is copied while the forward pass computes layer
+i; ``wait_for_layer`` blocks only until that layer's copy is done. Blocks the lease does
+not cover (evicted since the scheduler's lookup, or failed verification) are reported
+as load errors and vLLM recomputes them.
+
+Saving: at a step's first ``save_layer`` the blocks that step fills are reserved (one
+round trip); each layer is copied into the reserved slots on the copy thread as soon as
+the forward pass has written it; ``finish_step`` commits once every layer is in — or
+aborts, when any load of the step failed, since tokens computed on top of a block that
+did not load must never be stored.
+
+Owner: vLLM's worker thread calls every method; the copy thread only runs the copies
+queued here and touches nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from kvstore.client import KVStoreClient, Lease, PendingSave
+from kvstore.connectors.vllm_compat import BlockOrder, EngineGeometry, check_kv_cache, layer_index, worker_tp_rank
+from kvstore.connectors.vllm_meta import ConnectorSettings, KVStoreConnectorMetadata, SaveSpec, namespace_for
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.layout import KVLayout
+
+__all__ = ["WorkerSide", "WorkerCounters"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerCounters:
+    loaded_blocks: int = 0
+    failed_blocks: int = 0  # promised by the scheduler, not loadable: recomputed
+    saved_blocks: int = 0
+    aborted_saves: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    """Engine blocks paired with slab slots (same order)."""
+
+    block_ids: Sequence[int]
+    slots: Sequence[torch.Tensor]
+
+
+class _LayerCopier:
+    """Copies one layer of many blocks between the engine cache and slab slots."""
+
+    def __init__(self, layout: KVLayout, dtype: torch.dtype, orders: list[BlockOrder]) -> None:
+        self._layout = layout
+        self._dtype = dtype
+        self._orders = orders  # per layer
+
+    def _slot_layer(self, slot: torch.Tensor, layer: int) -> torch.Tensor:
+        offset, length = self._layout.layer_slice(layer)
+        return slot[offset : offset + length].view(self._dtype)
+
+    def load(self, cache: torch.Tensor, layer: int, copies: Sequence[_Copy]) -> None:
+        for copy in copies:
+            for block_id, slot in zip(copy.block_ids, copy.slots):
+                self._orders[layer].load(self._slot_layer(slot, layer), cache[block_id])
+
+    def save(self, cache: torch.Tensor, layer: int, copies: Sequence[_Copy]) -> None:
+        for copy in copies:
+            for block_id, slot in zip(copy.block_ids, copy.slots):
+                self._orders[layer].save(cache[block_id], self._slot_layer(slot, layer))
+
+
+class WorkerSide:
+    def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry, vllm_config: Any) -> None:
+        self._settings = settings
+        self._vllm_config = vllm_config
+        self._geometry = geometry
+        self._client: KVStoreClient | None = None
+        self._digest = b""
+        self._caches: list[torch.Tensor] = []
+        self._layer_of: dict[str, int] = {}
+        self._copier: _LayerCopier | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-copy")
+        # this step's state, cleared by finish_step
+        self._leases: list[Lease] = []
+        self._layer_loads: list[Future] = []
+        self._loading_block_ids: list[int] = []
+        self._saves: list[tuple[SaveSpec, PendingSave]] | None = None
+        self._layer_saves: list[Future] = []
+        self._saved_layers: set[int] = set()
+        self._step_failed = False
+        self._load_errors: set[int] = set()
+        self.counters = WorkerCounters()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        ordered = sorted(kv_caches.items(), key=lambda item: layer_index(item[0]))
+        if len(ordered) != self._geometry.num_layers:
+            raise InvalidArgument(
+                f"vLLM registered {len(ordered)} KV cache layers but the model has {self._geometry.num_layers}; "
+                "models with layers that share or skip KV are not supported by the kvstore connector."
+            )
+        for name, cache in ordered:
+            check_kv_cache(name, cache, self._geometry)
+        self._layer_of = {name: index for index, (name, _) in enumerate(ordered)}
+        self._caches = [cache for _, cache in ordered]
+        namespace = namespace_for(self._geometry, worker_tp_rank(), self._settings.tenant_salt)
+        self._client = KVStoreClient(self._settings.socket_path)
+        self._digest = self._client.register_namespace(namespace)
+        orders = [BlockOrder.discover(self._vllm_config, name, cache, self._geometry) for name, cache in ordered]
+        self._copier = _LayerCopier(namespace.layout, self._caches[0].dtype, orders)
+        logger.info("kvstore: worker registered %d layers, namespace %s, daemon node %s",
+                    len(ordered), namespace.id, self._client.node_id)
+
+    # -- loading ---------------------------------------------------------------------------
+    def start_load(self, metadata: KVStoreConnectorMetadata) -> None:
+        copies: list[_Copy] = []
+        for spec in metadata.loads:
+            lease = self._acquire(spec.hashes)
+            self._leases.append(lease)
+            loaded = lease.num_blocks
+            if loaded < len(spec.hashes):
+                self._fail_blocks(spec.block_ids[loaded:], f"request {spec.req_id}: {len(spec.hashes) - loaded} of "
+                                  f"{len(spec.hashes)} blocks are no longer loadable")
+            if loaded:
+                copies.append(_Copy(spec.block_ids[:loaded], lease.views))
+                self._loading_block_ids.extend(spec.block_ids[:loaded])
+                self.counters.loaded_blocks += loaded
+        if copies:
+            self._layer_loads = [self._executor.submit(self._copier.load, cache, layer, copies)
+                                 for layer, cache in enumerate(self._caches)]
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        if self._layer_loads:
+            # a failed copy is reported (and its blocks recomputed) by finish_step
+            self._layer_loads[self._layer_of[layer_name]].exception()
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saving ----------------------------------------------------------------------------
+    def save_layer(self, layer_name: str, metadata: KVStoreConnectorMetadata) -> None:
+        if not metadata.saves:
+            return
+        if self._saves is None:
+            self._saves = [(spec, pending) for spec in metadata.saves if (pending := self._reserve(spec)) is not None]
+        copies = [_Copy([spec.block_ids[i] for i in pending.indices], pending.views) for spec, pending in self._saves]
+        layer = self._layer_of[layer_name]
+        self._saved_layers.add(layer)
+        if copies:
+            self._layer_saves.append(self._executor.submit(self._copier.save, self._caches[layer], layer, copies))
+
+    def finish_step(self) -> None:
+        """End of the forward pass: loads are done, so release their leases; commit the
+        step's saves if every layer was copied and nothing the step read failed to load."""
+        for future in self._layer_loads:
+            try:
+                future.result()
+            except Exception as exc:  # some layers hold bytes of unknown state: recompute them all
+                self._fail_blocks(self._loading_block_ids, f"a layer copy from the slab failed ({exc})")
+                break
+        saves_copied = True
+        for future in self._layer_saves:
+            try:
+                future.result()
+            except Exception as exc:
+                logger.error("kvstore: a layer copy into the slab failed, not saving this step: %s", exc)
+                saves_copied = False
+        for lease in self._leases:
+            self._release(lease)
+        complete = saves_copied and len(self._saved_layers) == len(self._caches) and not self._step_failed
+        for spec, pending in self._saves or ():
+            self._finish_save(spec, pending, complete)
+        self._leases, self._layer_loads, self._loading_block_ids = [], [], []
+        self._saves, self._layer_saves, self._saved_layers, self._step_failed = None, [], set(), False
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        if self._client is not None:
+            self._client.close()
+
+    # -- helpers: every daemon error becomes a miss or a skipped save ------------------------
+    def _acquire(self, hashes: Sequence[bytes]) -> Lease:
+        try:
+            return self._client.acquire(self._digest, hashes)
+        except KVStoreError as exc:
+            logger.warning("kvstore: lease failed, the blocks will be recomputed: %s", exc)
+            return Lease((), ())
+
+    def _release(self, lease: Lease) -> None:
+        try:
+            self._client.release(lease)
+        except (KVStoreError, OSError) as exc:
+            logger.warning("kvstore: release failed (the daemon frees the lease when the connection goes): %s", exc)
+
+    def _fail_blocks(self, block_ids: Sequence[int], why: str) -> None:
+        logger.warning("kvstore: %s; vLLM recomputes them", why)
+        self._load_errors.update(block_ids)
+        self.counters.failed_blocks += len(block_ids)
+        self._step_failed = True
+
+    def _reserve(self, spec: SaveSpec) -> PendingSave | None:
+        try:
+            pending = self._client.begin_save(self._digest, spec.hashes, spec.parent_hash)
+        except KVStoreError as exc:
+            logger.warning("kvstore: cannot reserve %d blocks, not saving them: %s", len(spec.hashes), exc)
+            return None
+        return pending
+
+    def _finish_save(self, spec: SaveSpec, pending: PendingSave, complete: bool) -> None:
+        try:
+            if complete:
+                self.counters.saved_blocks += self._client.commit(pending)
+            else:
+                self._client.abort(pending)
+                self.counters.aborted_saves += 1
+                logger.warning("kvstore: not saving %d blocks of request %s: this step's KV is not trusted",
+                               len(pending.indices), spec.req_id)
+        except KVStoreError as exc:
+            logger.warning("kvstore: saving %d blocks of request %s failed: %s", len(pending.indices), spec.req_id, exc)

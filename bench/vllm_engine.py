@@ -1,6 +1,6 @@
 """One vLLM (CPU) engine process that serves a list of prompts and reports, as JSON.
 
-    .venv-vllm/bin/python -m bench.vllm_engine PLAN.json
+    .venv-vllm/bin/python -m bench.vllm_engine PLAN.json REPORT.json
 
 Used by the end-to-end tests and by ``bench.e2e_vllm``: each engine instance is a fresh
 process (so nothing but kvstore can carry KV from one to the next), started with the
@@ -12,9 +12,9 @@ connector the plan names, serving the plan's requests one after another. The pla
                           "extra": {...}},
      "requests": [{"prompt": [token ids], "max_tokens": 16}, ...]}
 
-The last stdout line is ``{"startup_s", "results": [{"tokens", "num_cached_tokens",
-"seconds"}], "connector": {counters} | null}``; ``seconds`` is the wall time of the
-request alone, its TTFT when ``max_tokens`` is 1.
+The report written to REPORT.json is ``{"startup_s", "results": [{"tokens",
+"num_cached_tokens", "seconds"}], "connector": {counters} | null}``; ``seconds`` is the
+wall time of the request alone, its TTFT when ``max_tokens`` is 1.
 """
 
 from __future__ import annotations
@@ -43,23 +43,23 @@ class EngineFailed(RuntimeError):
     """An engine process exited with an error; the message ends with its log."""
 
 
-def _run_vllm_python(args: list[str], log: Path, timeout_s: float) -> str:
+def _run_vllm_python(args: list[str], log: Path, timeout_s: float) -> None:
     env = {**os.environ, **ENGINE_ENV}
-    with open(log, "w") as stderr:
-        result = subprocess.run([str(VLLM_PYTHON), *args], stdout=subprocess.PIPE, stderr=stderr, text=True,
+    with open(log, "w") as output:
+        result = subprocess.run([str(VLLM_PYTHON), *args], stdout=output, stderr=subprocess.STDOUT,
                                 timeout=timeout_s, cwd=Path(__file__).resolve().parents[1], env=env)
     if result.returncode != 0:
         raise EngineFailed(f"{' '.join(args)} exited with {result.returncode}; log {log}:\n{log.read_text()[-6000:]}")
-    return result.stdout
 
 
 def engine_process(plan: dict, workdir: Path, name: str, timeout_s: float = 900) -> dict:
     """Serve ``plan`` in a fresh engine process (the vLLM venv's python); returns its report.
-    The plan and the engine's log are left in ``workdir`` as NAME.json and NAME.log."""
-    plan_path = workdir / f"{name}.json"
+    The plan, report and the engine's log are left in ``workdir`` (NAME.json, NAME.report.json,
+    NAME.log)."""
+    plan_path, report_path = workdir / f"{name}.json", workdir / f"{name}.report.json"
     plan_path.write_text(json.dumps(plan))
-    stdout = _run_vllm_python(["-m", "bench.vllm_engine", str(plan_path)], workdir / f"{name}.log", timeout_s)
-    return json.loads(stdout.strip().splitlines()[-1])
+    _run_vllm_python(["-m", "bench.vllm_engine", str(plan_path), str(report_path)], workdir / f"{name}.log", timeout_s)
+    return json.loads(report_path.read_text())
 
 
 def build_model(directory: Path, size: str, timeout_s: float = 600) -> Path:
@@ -132,11 +132,8 @@ def run(plan: dict) -> dict:
 def main() -> None:
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
-    with open(sys.argv[1]) as plan_file:
-        plan = json.load(plan_file)
-    report = run(plan)
-    sys.stdout.flush()
-    print(json.dumps(report), flush=True)
+    plan_path, report_path = Path(sys.argv[1]), Path(sys.argv[2])
+    report_path.write_text(json.dumps(run(json.loads(plan_path.read_text()))))
 
 
 if __name__ == "__main__":

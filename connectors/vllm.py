@@ -24,7 +24,6 @@ recomputes it (vLLM's default, ``"fail"``, fails the request instead).
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +33,7 @@ from kvstore.connectors.vllm_compat import (
     KVConnectorMetadata,
     KVConnectorRole,
     cache_hit_sources,
+    connector_logger,
     engine_geometry,
 )
 from kvstore.connectors.vllm_meta import ConnectorSettings, KVStoreConnectorMetadata
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KVStoreConnector"]
 
-logger = logging.getLogger(__name__)
+logger = connector_logger(__name__)
 _ROLES = ("kv_both",)
 
 

@@ -20,6 +20,7 @@ permutation of the planes is refused.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
 __all__ = [
+    "connector_logger",
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
     "KVConnectorRole",
@@ -57,6 +59,12 @@ __all__ = [
 ]
 
 STORE_INNER_ORDER = "HND"
+
+
+def connector_logger(module: str) -> logging.Logger:
+    """A logger under vLLM's, so the connector's lines share vLLM's handlers, format and
+    level (VLLM_LOGGING_LEVEL)."""
+    return logging.getLogger(f"vllm.{module}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,6 @@ Owner: vLLM's scheduler thread; nothing here is shared with other threads.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,7 @@ from kvstore.client import KVStoreClient
 from kvstore.connectors.vllm_compat import (
     EngineGeometry,
     ScheduledRequest,
+    connector_logger,
     first_group_block_ids,
     prompt_token_ids,
     scheduled_requests,
@@ -35,7 +35,7 @@ from kvstore.tiers.base import TierKind
 
 __all__ = ["SchedulerSide", "SchedulerCounters"]
 
-logger = logging.getLogger(__name__)
+logger = connector_logger(__name__)
 _LOADABLE_TIERS = frozenset({TierKind.HBM, TierKind.HOST, TierKind.NVME})
 
 

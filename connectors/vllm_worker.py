@@ -20,7 +20,6 @@ queued here and touches nothing else.
 
 from __future__ import annotations
 
-import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -28,14 +27,21 @@ from typing import Any, Sequence
 import torch
 
 from kvstore.client import KVStoreClient, Lease, PendingSave
-from kvstore.connectors.vllm_compat import BlockOrder, EngineGeometry, check_kv_cache, layer_index, worker_tp_rank
+from kvstore.connectors.vllm_compat import (
+    BlockOrder,
+    EngineGeometry,
+    check_kv_cache,
+    connector_logger,
+    layer_index,
+    worker_tp_rank,
+)
 from kvstore.connectors.vllm_meta import ConnectorSettings, KVStoreConnectorMetadata, SaveSpec, namespace_for
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.layout import KVLayout
 
 __all__ = ["WorkerSide", "WorkerCounters"]
 
-logger = logging.getLogger(__name__)
+logger = connector_logger(__name__)
 
 
 @dataclass

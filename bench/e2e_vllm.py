@@ -38,8 +38,8 @@ MiB = 1024 * 1024
 BLOCK = 32
 
 
-def prompts(num_prompts: int, length: int, vocab: int) -> list[list[int]]:
-    rng = random.Random(2024)
+def prompts(num_prompts: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
     return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(num_prompts)]
 
 
@@ -68,7 +68,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="kvstore-bench-e2e-vllm-"))
     try:
         model = build_model(workdir / "model", size)
-        tests, warmup = prompts(num_prompts, length, vocab), prompts(1, 256, vocab)[0]
+        tests, warmup = prompts(num_prompts, length, vocab, seed=1), prompts(1, 256, vocab, seed=2)[0]
         example_dir = workdir / "example-connector"
         example_dir.mkdir()
         daemon = spawn_daemon(workdir / "kvstore.sock", {

@@ -2,27 +2,18 @@
 
 The connector modules talk to vLLM only through this shim: the base classes, how to
 read the engine's geometry from its config, how scheduler outputs carry block ids, and
-how one block of the engine's paged KV cache is laid out. When a vLLM release moves one
+how to reach a layer's cache-write kernel. When a vLLM release moves one
 of these, this file changes and the connector does not (written against vllm 0.32).
 
-kvstore stores vLLM's KV as ``HND`` planes: per layer, the K plane then the V plane, each
-``num_kv_heads × block_size × head_dim``. vLLM's CPU backend keeps a layer as
-``(num_blocks, num_kv_heads, block_size, 2·head_size)``, but where each element sits
-inside a block depends on the attention kernel the CPU supports (the ``vec`` kernel
-stores K transposed, head_dim-major; the AMX kernel packs it for its tiles). Rather than
-hard-code each kernel's packing, ``BlockOrder.discover`` asks the engine's own
-cache-write kernel: it writes keys and values whose digits name their (plane, head,
-token, dim) into a scratch block, reads back where each landed, and derives the gather
-index between the engine's block and the store's planes. The stored bytes are therefore
-the same whichever kernel wrote them, and a kernel whose block is not a plain
-permutation of the planes is refused.
+How a block is laid out inside the engine's cache is not hard-coded here: the worker
+learns it from the layer's own cache-write kernel (``cache_writer``, ``vllm_layout``).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -49,7 +40,7 @@ __all__ = [
     "engine_geometry",
     "worker_tp_rank",
     "layer_index",
-    "BlockOrder",
+    "cache_writer",
     "check_kv_cache",
     "ScheduledRequest",
     "scheduled_requests",
@@ -124,54 +115,16 @@ def check_kv_cache(name: str, cache: torch.Tensor, geometry: EngineGeometry) -> 
         raise InvalidArgument(f"KV cache layer {name} holds {cache.dtype}, but the model dtype is {geometry.dtype}.")
 
 
-class BlockOrder:
-    """Where each element of the store's ``(2, heads, tokens, dim)`` planes lives inside
-    one engine block, as a gather index over the block's flattened elements."""
+def cache_writer(vllm_config: "VllmConfig", layer_name: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """The layer's own cache-write kernel, writing token slots 0… of a one-block cache
+    (what ``vllm_layout.BlockOrder.discover`` learns the block layout from)."""
+    layer = vllm_config.compilation_config.static_forward_context[layer_name]
 
-    _DIGIT_BASE = 16  # digits 0…15 are exact in every float dtype, fp8 included
+    def write(key: torch.Tensor, value: torch.Tensor, scratch: torch.Tensor) -> None:
+        slots = torch.arange(key.shape[0], dtype=torch.long)
+        layer.impl.do_kv_cache_update(layer, key, value, scratch, slots)
 
-    def __init__(self, gather: torch.Tensor) -> None:
-        self.gather = gather
-
-    @classmethod
-    def discover(cls, vllm_config: "VllmConfig", layer_name: str, cache: torch.Tensor, geometry: EngineGeometry) -> "BlockOrder":
-        layer = vllm_config.compilation_config.static_forward_context[layer_name]
-        heads, tokens, dim = geometry.num_kv_heads, geometry.block_size, geometry.head_dim
-        count = 2 * heads * tokens * dim
-        # canonical index of (plane, head, token, dim) in the store's order, laid out as the
-        # kernel's inputs want it: (tokens, heads, dim) per plane
-        canonical = torch.arange(count).view(2, heads, tokens, dim).permute(0, 2, 1, 3)
-        native_index = torch.zeros(cache[0].numel(), dtype=torch.long)
-        place = 1
-        slots = torch.arange(tokens, dtype=torch.long)
-        for _ in range(max(1, -(-count.bit_length() // 4))):
-            digits = (canonical // place) % cls._DIGIT_BASE
-            scratch = torch.full((1, *cache.shape[1:]), -1.0, dtype=cache.dtype)
-            key, value = digits[0].to(cache.dtype).contiguous(), digits[1].to(cache.dtype).contiguous()
-            layer.impl.do_kv_cache_update(layer, key, value, scratch, slots)
-            written = scratch.view(-1).float()
-            if bool((written < 0).any()) or bool((written >= cls._DIGIT_BASE).any()):
-                raise InvalidArgument(
-                    f"the KV cache kernel of layer {layer_name} does not store K and V as plain elements of one block; "
-                    "the kvstore connector cannot read this cache layout."
-                )
-            native_index += written.long() * place
-            place *= cls._DIGIT_BASE
-        if not torch.equal(torch.bincount(native_index, minlength=count), torch.ones(count, dtype=torch.long)):
-            raise InvalidArgument(
-                f"the KV cache kernel of layer {layer_name} does not store each K and V element exactly once per block; "
-                "the kvstore connector cannot read this cache layout."
-            )
-        gather = torch.empty(count, dtype=torch.long)
-        gather[native_index] = torch.arange(count)
-        return cls(gather)
-
-    def save(self, native_block: torch.Tensor, planes: torch.Tensor) -> None:
-        """Write one engine block (one layer) into ``planes``, a flat store-order tensor."""
-        torch.index_select(native_block.view(-1), 0, self.gather, out=planes)
-
-    def load(self, planes: torch.Tensor, native_block: torch.Tensor) -> None:
-        native_block.view(-1).index_copy_(0, self.gather, planes)
+    return write
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,12 +166,16 @@ def prompt_token_ids(request: Any) -> list[int]:
 
 
 def cache_hit_sources(hit_tiers: tuple[TierKind, ...], num_external_tokens: int, block_size: int) -> dict:
-    """vLLM's per-source split of an external hit (whole blocks, the first of the hit):
+    """vLLM's per-source split of an external hit (the first blocks of ``hit_tiers``):
     host memory or disk, by the tier each block was found in."""
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     counts: dict = {}
-    for tier in hit_tiers[: num_external_tokens // block_size]:
+    remaining = num_external_tokens
+    for tier in hit_tiers:
+        if remaining <= 0:
+            break
         source = CacheHitSource.DISK if tier is TierKind.NVME else CacheHitSource.HOST
-        counts[source] = counts.get(source, 0) + block_size
+        counts[source] = counts.get(source, 0) + min(block_size, remaining)
+        remaining -= block_size
     return counts

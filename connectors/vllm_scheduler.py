@@ -72,14 +72,16 @@ class SchedulerSide:
     # -- admission -------------------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` (vLLM's block-aligned local hit) that
-        kvstore holds; whole blocks, always leaving the prompt's last token to compute."""
+        kvstore holds, in whole blocks — except that vLLM must compute at least one
+        token, so a hit covering the whole prompt stops one token short (the last block
+        is still loaded whole; the recomputed token's KV lands in its own slot)."""
         state = self._state(request.request_id, prompt_token_ids(request))
         first = num_computed_tokens // self._block_size
-        # vLLM must compute at least one token to sample from: a full-prompt hit stops a block short
-        usable = (len(state.prompt) - 1) // self._block_size
+        num_full = len(state.prompt) // self._block_size
         state.first_hit_block = first
-        state.hit_tiers = self._loadable_prefix(state.hashes[first:usable]) if usable > first else ()
-        return len(state.hit_tiers) * self._block_size
+        state.hit_tiers = self._loadable_prefix(state.hashes[first:num_full]) if num_full > first else ()
+        hit_end = min((first + len(state.hit_tiers)) * self._block_size, len(state.prompt) - 1)
+        return max(0, hit_end - first * self._block_size)
 
     def hit_tiers(self, req_id: str) -> tuple[TierKind, ...]:
         state = self._requests.get(req_id)
@@ -91,7 +93,7 @@ class SchedulerSide:
             return
         block_ids = first_group_block_ids(blocks.get_block_ids())
         first = state.first_hit_block
-        stop = first + num_external_tokens // self._block_size
+        stop = first + -(-num_external_tokens // self._block_size)
         self._loads.append(LoadSpec(request.request_id, tuple(state.hashes[first:stop]), tuple(block_ids[first:stop])))
         self.counters.external_hit_tokens += num_external_tokens
         logger.info("kvstore: request %s loads %d tokens (%d blocks) from kvstore after a local hit of %d tokens",

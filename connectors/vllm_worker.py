@@ -28,13 +28,14 @@ import torch
 
 from kvstore.client import KVStoreClient, Lease, PendingSave
 from kvstore.connectors.vllm_compat import (
-    BlockOrder,
     EngineGeometry,
+    cache_writer,
     check_kv_cache,
     connector_logger,
     layer_index,
     worker_tp_rank,
 )
+from kvstore.connectors.vllm_layout import BlockOrder
 from kvstore.connectors.vllm_meta import ConnectorSettings, KVStoreConnectorMetadata, SaveSpec, namespace_for
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.layout import KVLayout
@@ -119,7 +120,10 @@ class WorkerSide:
         namespace = namespace_for(self._geometry, worker_tp_rank(), self._settings.tenant_salt)
         self._client = KVStoreClient(self._settings.socket_path)
         self._digest = self._client.register_namespace(namespace)
-        orders = [BlockOrder.discover(self._vllm_config, name, cache, self._geometry) for name, cache in ordered]
+        geometry = self._geometry
+        orders = [BlockOrder.discover(cache_writer(self._vllm_config, name), tuple(cache.shape[1:]), cache.dtype,
+                                      geometry.num_kv_heads, geometry.block_size, geometry.head_dim, f"KV cache layer {name}")
+                  for name, cache in ordered]
         self._copier = _LayerCopier(namespace.layout, self._caches[0].dtype, orders)
         logger.info("kvstore: worker registered %d layers, namespace %s, daemon node %s",
                     len(ordered), namespace.id, self._client.node_id)

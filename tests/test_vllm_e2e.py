@@ -56,6 +56,7 @@ def random_prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
 
 P, Q, R, S = (random_prompt(seed) for seed in (11, 12, 13, 14))
 P_SHARED = P[:500] + random_prompt(15, 500)  # shares P's first 15 full blocks (480 tokens)
+T = random_prompt(16, 32 * BLOCK)  # whole blocks only: all but its last token come from kvstore
 
 
 @dataclass
@@ -90,21 +91,21 @@ def store(tmp_path_factory):
     model = build_model(workdir / "model", "tiny")
     with daemons(workdir) as start:
         store = Store(start(), model, workdir, {})
-        store.saved_by_a = store.serve("instance-a", [P, Q, R, S])
+        store.saved_by_a = store.serve("instance-a", [P, Q, R, S, T])
         yield store
 
 
 @pytest.fixture(scope="module")
 def baseline(store):
     """The same prompts on an engine without kvstore: the tokens every run must match."""
-    report = store.serve("baseline", [P, P_SHARED, Q, R], connector=False)
-    return dict(zip(("P", "P_SHARED", "Q", "R"), (r["tokens"] for r in report["results"])))
+    report = store.serve("baseline", [P, P_SHARED, Q, R, T], connector=False)
+    return dict(zip(("P", "P_SHARED", "Q", "R", "T"), (r["tokens"] for r in report["results"])))
 
 
 def test_instance_a_saves_every_full_block_as_the_reference_model_computes_it(store, baseline):
     a = store.saved_by_a
     assert [r["tokens"] for r in a["results"][:3]] == [baseline["P"], baseline["Q"], baseline["R"]]
-    assert a["connector"]["saved_blocks"] == 4 * (PROMPT_TOKENS // BLOCK)
+    assert a["connector"]["saved_blocks"] == 4 * (PROMPT_TOKENS // BLOCK) + len(T) // BLOCK
     assert a["connector"]["external_hit_tokens"] == 0
     prompt_file = store.workdir / "p.json"
     prompt_file.write_text(json.dumps(P))
@@ -120,15 +121,18 @@ def test_instance_a_saves_every_full_block_as_the_reference_model_computes_it(st
 
 
 def test_a_fresh_instance_gets_the_prefix_from_kvstore_and_decodes_the_same_tokens(store, baseline):
-    b = store.serve("instance-b", [P, P_SHARED])
-    full, partial = b["results"]
-    assert full["num_cached_tokens"] == FULL_HIT  # prefix caching is off: every cached token came from kvstore
+    b = store.serve("instance-b", [P, P_SHARED, T])
+    full, partial, whole_blocks = b["results"]
+    # prefix caching is off: every cached token came from kvstore
+    assert full["num_cached_tokens"] == FULL_HIT
     assert partial["num_cached_tokens"] == 15 * BLOCK
-    assert b["connector"]["external_hit_tokens"] == FULL_HIT + 15 * BLOCK
-    assert b["connector"]["loaded_blocks"] == (FULL_HIT + 15 * BLOCK) // BLOCK
+    assert whole_blocks["num_cached_tokens"] == len(T) - 1
+    assert b["connector"]["external_hit_tokens"] == FULL_HIT + 15 * BLOCK + len(T) - 1
+    assert b["connector"]["loaded_blocks"] == (FULL_HIT + 15 * BLOCK + len(T)) // BLOCK
     assert b["connector"]["failed_blocks"] == 0
     assert full["tokens"] == baseline["P"]
     assert partial["tokens"] == baseline["P_SHARED"]
+    assert whole_blocks["tokens"] == baseline["T"]
 
 
 def test_overwriting_the_stored_bytes_changes_the_output(store, baseline):

@@ -1,0 +1,79 @@
+"""The client's in-place calls (what a layer-wise connector uses) against a real daemon:
+reserve slots and fill them layer by layer before committing; lease slots and read them
+where they lie."""
+
+import time
+
+import pytest
+import torch
+
+from daemon_harness import daemons
+from kvstore.api.client import connect
+from kvstore.api.v1 import kvstore_pb2 as pb
+from kvstore.client import KVStoreClient
+from kvstore.hashing import chain_hashes
+from kvstore.layout import KVLayout
+from kvstore.namespace import Namespace
+
+pytestmark = pytest.mark.slow
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16", inner_order="HND")
+NAMESPACE = Namespace("test/in-place", LAYOUT)
+HASHES = chain_hashes(list(range(8 * 16)), 16)
+
+
+def block(seed: int) -> torch.Tensor:
+    return torch.randn(LAYOUT.block_bytes // 2, generator=torch.Generator().manual_seed(seed)).bfloat16().view(torch.uint8)
+
+
+def num_leases(daemon) -> int:
+    with connect(daemon.address) as api:
+        return api.admin.Stats(pb.StatsRequest()).num_leases
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    with daemons(tmp_path) as start:
+        yield start()
+
+
+def test_a_reservation_filled_layer_by_layer_is_stored_on_commit(daemon):
+    with KVStoreClient(daemon.socket) as client:
+        digest = client.register_namespace(NAMESPACE)
+        assert client.save(digest, HASHES[:3], [block(i) for i in range(3)]) == 3
+        pending = client.begin_save(digest, HASHES, parent_hash=None)
+        assert pending.indices == tuple(range(3, 8))  # the cached blocks get no slot
+        for layer in range(LAYOUT.num_layers):
+            offset, length = LAYOUT.layer_slice(layer)
+            for index, view in zip(pending.indices, pending.views):
+                view[offset : offset + length].copy_(block(index)[offset : offset + length])
+        assert client.lookup(digest, HASHES).num_blocks == 3  # invisible until committed
+        assert client.commit(pending) == 5
+        into = [torch.empty(LAYOUT.block_bytes, dtype=torch.uint8) for _ in HASHES]
+        assert client.load(digest, HASHES, into) == 8
+        assert all(torch.equal(got, block(i)) for i, got in enumerate(into))
+
+
+def test_an_aborted_reservation_leaves_nothing_behind(daemon):
+    with KVStoreClient(daemon.socket) as client:
+        digest = client.register_namespace(NAMESPACE)
+        pending = client.begin_save(digest, HASHES)
+        pending.views[0].fill_(1)
+        client.abort(pending)
+        assert client.lookup(digest, HASHES).num_blocks == 0
+        assert len(client.begin_save(digest, HASHES).views) == 8  # the slots were given back
+
+
+def test_a_lease_reads_the_stored_prefix_in_place_until_released(daemon):
+    with KVStoreClient(daemon.socket) as client:
+        digest = client.register_namespace(NAMESPACE)
+        client.save(digest, HASHES[:5], [block(i) for i in range(5)])
+        lease = client.acquire(digest, HASHES)
+        assert lease.num_blocks == 5  # the prefix ends at the first missing block
+        assert all(torch.equal(view, block(i)) for i, view in enumerate(lease.views))
+        assert num_leases(daemon) >= 1
+        client.release(lease)
+        deadline = time.monotonic() + 10
+        while num_leases(daemon) and time.monotonic() < deadline:  # the release is not waited for
+            time.sleep(0.05)
+        assert num_leases(daemon) == 0
+        assert client.acquire(digest, chain_hashes([9] * 32, 16)).num_blocks == 0

@@ -12,18 +12,24 @@ A block that is not a plain permutation of the two planes is refused.
 
 Copies use two strided views (one per plane) when the permutation is affine in (head,
 token, dim) — true of the ``vec`` kernel — and a gather/scatter through the index
-otherwise. Pure torch; the engine call is injected.
+otherwise. ``LayerCopier`` moves one layer of many blocks at once: engine blocks with
+consecutive ids whose slab slots are adjacent form a run, copied by one operation per
+plane (a fresh engine allocates consecutive blocks and the slab hands out adjacent
+slots, so an 8K-token prompt is a handful of runs rather than 256 copies). Pure torch;
+the engine call is injected.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
 from kvstore.errors import InvalidArgument
+from kvstore.layout import KVLayout
 
-__all__ = ["BlockOrder", "CacheWriter"]
+__all__ = ["BlockOrder", "CacheWriter", "LayerCopier", "BlockRun", "runs_of"]
 
 # writes keys and values (tokens × heads × dim each) into token slots 0… of a one-block scratch cache
 CacheWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -69,24 +75,75 @@ class BlockOrder:
         gather[native_position] = torch.arange(count)
         return cls(gather, (num_kv_heads, block_size, head_dim))
 
-    def save(self, native_block: torch.Tensor, planes: torch.Tensor) -> None:
-        """Copy one engine block (one layer) into ``planes``, a flat tensor in store order."""
-        flat = native_block.view(-1)
+    def save(self, native: torch.Tensor, planes: torch.Tensor) -> None:
+        """Copy engine blocks ``native`` (n × block, contiguous) into ``planes`` (n ×
+        block elements in store order; rows may lie apart, as slab slots do)."""
+        flat = native.view(native.shape[0], -1)
         if self._strided is None:
-            torch.index_select(flat, 0, self.gather, out=planes)
+            planes.copy_(flat.index_select(1, self.gather))
             return
-        target = planes.view(2, *self._planes_shape)
-        for plane, (strides, offset) in enumerate(self._strided):
-            target[plane].copy_(flat.as_strided(self._planes_shape, strides, flat.storage_offset() + offset))
+        target = planes.view(planes.shape[0], 2, *self._planes_shape)
+        for plane, view in enumerate(self._plane_views(flat)):
+            target[:, plane].copy_(view)
 
-    def load(self, planes: torch.Tensor, native_block: torch.Tensor) -> None:
-        flat = native_block.view(-1)
+    def load(self, planes: torch.Tensor, native: torch.Tensor) -> None:
+        flat = native.view(native.shape[0], -1)
         if self._strided is None:
-            flat.index_copy_(0, self.gather, planes)
+            flat.index_copy_(1, self.gather, planes)
             return
-        source = planes.view(2, *self._planes_shape)
-        for plane, (strides, offset) in enumerate(self._strided):
-            flat.as_strided(self._planes_shape, strides, flat.storage_offset() + offset).copy_(source[plane])
+        source = planes.view(planes.shape[0], 2, *self._planes_shape)
+        for plane, view in enumerate(self._plane_views(flat)):
+            view.copy_(source[:, plane])
+
+    def _plane_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        shape = (flat.shape[0], *self._planes_shape)
+        return [flat.as_strided(shape, (flat.stride(0), *strides), flat.storage_offset() + offset)
+                for strides, offset in self._strided]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRun:
+    """``count`` engine blocks from ``first_block`` on, stored in adjacent slab slots
+    starting at ``first_slot`` (a uint8 view of one block's slot)."""
+
+    first_block: int
+    first_slot: torch.Tensor
+    count: int
+
+
+def runs_of(block_ids: Sequence[int], slots: Sequence[torch.Tensor], block_bytes: int) -> list[BlockRun]:
+    runs: list[BlockRun] = []
+    start = 0
+    for k in range(1, len(block_ids) + 1):
+        if (k == len(block_ids) or block_ids[k] != block_ids[k - 1] + 1
+                or slots[k].data_ptr() != slots[k - 1].data_ptr() + block_bytes):
+            runs.append(BlockRun(block_ids[start], slots[start], k - start))
+            start = k
+    return runs
+
+
+class LayerCopier:
+    """Copies one layer of runs of blocks between an engine cache layer and slab slots."""
+
+    def __init__(self, layout: KVLayout, dtype: torch.dtype, orders: Sequence[BlockOrder]) -> None:
+        self._layout = layout
+        self._dtype = dtype
+        self._orders = orders  # per layer
+
+    def _slot_rows(self, run: BlockRun, layer: int) -> torch.Tensor:
+        """The run's slots, layer ``layer`` only: (count × layer elements), rows a slot apart."""
+        offset, length = self._layout.layer_slice(layer)
+        slot = run.first_slot
+        rows = slot.as_strided((run.count, length), (self._layout.block_bytes, 1), slot.storage_offset() + offset)
+        return rows.view(self._dtype)
+
+    def load(self, cache: torch.Tensor, layer: int, runs: Sequence[BlockRun]) -> None:
+        for run in runs:
+            self._orders[layer].load(self._slot_rows(run, layer), cache[run.first_block : run.first_block + run.count])
+
+    def save(self, cache: torch.Tensor, layer: int, runs: Sequence[BlockRun]) -> None:
+        for run in runs:
+            self._orders[layer].save(cache[run.first_block : run.first_block + run.count], self._slot_rows(run, layer))
 
 
 def _affine_planes(gather: torch.Tensor, shape: tuple[int, int, int]) -> list[tuple[tuple[int, ...], int]] | None:

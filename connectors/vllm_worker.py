@@ -35,10 +35,9 @@ from kvstore.connectors.vllm_compat import (
     layer_index,
     worker_tp_rank,
 )
-from kvstore.connectors.vllm_layout import BlockOrder
+from kvstore.connectors.vllm_layout import BlockOrder, BlockRun, LayerCopier, runs_of
 from kvstore.connectors.vllm_meta import ConnectorSettings, KVStoreConnectorMetadata, SaveSpec, namespace_for
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.layout import KVLayout
 
 __all__ = ["WorkerSide", "WorkerCounters"]
 
@@ -53,37 +52,6 @@ class WorkerCounters:
     aborted_saves: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class _Copy:
-    """Engine blocks paired with slab slots (same order)."""
-
-    block_ids: Sequence[int]
-    slots: Sequence[torch.Tensor]
-
-
-class _LayerCopier:
-    """Copies one layer of many blocks between the engine cache and slab slots."""
-
-    def __init__(self, layout: KVLayout, dtype: torch.dtype, orders: list[BlockOrder]) -> None:
-        self._layout = layout
-        self._dtype = dtype
-        self._orders = orders  # per layer
-
-    def _slot_layer(self, slot: torch.Tensor, layer: int) -> torch.Tensor:
-        offset, length = self._layout.layer_slice(layer)
-        return slot[offset : offset + length].view(self._dtype)
-
-    def load(self, cache: torch.Tensor, layer: int, copies: Sequence[_Copy]) -> None:
-        for copy in copies:
-            for block_id, slot in zip(copy.block_ids, copy.slots):
-                self._orders[layer].load(self._slot_layer(slot, layer), cache[block_id])
-
-    def save(self, cache: torch.Tensor, layer: int, copies: Sequence[_Copy]) -> None:
-        for copy in copies:
-            for block_id, slot in zip(copy.block_ids, copy.slots):
-                self._orders[layer].save(cache[block_id], self._slot_layer(slot, layer))
-
-
 class WorkerSide:
     def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry, vllm_config: Any) -> None:
         self._settings = settings
@@ -93,13 +61,15 @@ class WorkerSide:
         self._digest = b""
         self._caches: list[torch.Tensor] = []
         self._layer_of: dict[str, int] = {}
-        self._copier: _LayerCopier | None = None
+        self._copier: LayerCopier | None = None
+        self._block_bytes = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-copy")
         # this step's state, cleared by finish_step
         self._leases: list[Lease] = []
         self._layer_loads: list[Future] = []
         self._loading_block_ids: list[int] = []
         self._saves: list[tuple[SaveSpec, PendingSave]] | None = None
+        self._save_runs: list[BlockRun] = []
         self._layer_saves: list[Future] = []
         self._saved_layers: set[int] = set()
         self._step_failed = False
@@ -124,13 +94,14 @@ class WorkerSide:
         orders = [BlockOrder.discover(cache_writer(self._vllm_config, name), tuple(cache.shape[1:]), cache.dtype,
                                       geometry.num_kv_heads, geometry.block_size, geometry.head_dim, f"KV cache layer {name}")
                   for name, cache in ordered]
-        self._copier = _LayerCopier(namespace.layout, self._caches[0].dtype, orders)
+        self._copier = LayerCopier(namespace.layout, self._caches[0].dtype, orders)
+        self._block_bytes = namespace.layout.block_bytes
         logger.info("kvstore: worker registered %d layers, namespace %s, daemon node %s",
                     len(ordered), namespace.id, self._client.node_id)
 
     # -- loading ---------------------------------------------------------------------------
     def start_load(self, metadata: KVStoreConnectorMetadata) -> None:
-        copies: list[_Copy] = []
+        runs: list[BlockRun] = []
         for spec in metadata.loads:
             lease = self._acquire(spec.hashes)
             self._leases.append(lease)
@@ -139,11 +110,11 @@ class WorkerSide:
                 self._fail_blocks(spec.block_ids[loaded:], f"request {spec.req_id}: {len(spec.hashes) - loaded} of "
                                   f"{len(spec.hashes)} blocks are no longer loadable")
             if loaded:
-                copies.append(_Copy(spec.block_ids[:loaded], lease.views))
+                runs += runs_of(spec.block_ids[:loaded], lease.views, self._block_bytes)
                 self._loading_block_ids.extend(spec.block_ids[:loaded])
                 self.counters.loaded_blocks += loaded
-        if copies:
-            self._layer_loads = [self._executor.submit(self._copier.load, cache, layer, copies)
+        if runs:
+            self._layer_loads = [self._executor.submit(self._copier.load, cache, layer, runs)
                                  for layer, cache in enumerate(self._caches)]
 
     def wait_for_layer(self, layer_name: str) -> None:
@@ -161,11 +132,12 @@ class WorkerSide:
             return
         if self._saves is None:
             self._saves = [(spec, pending) for spec in metadata.saves if (pending := self._reserve(spec)) is not None]
-        copies = [_Copy([spec.block_ids[i] for i in pending.indices], pending.views) for spec, pending in self._saves]
+            self._save_runs = [run for spec, pending in self._saves
+                               for run in runs_of([spec.block_ids[i] for i in pending.indices], pending.views, self._block_bytes)]
         layer = self._layer_of[layer_name]
         self._saved_layers.add(layer)
-        if copies:
-            self._layer_saves.append(self._executor.submit(self._copier.save, self._caches[layer], layer, copies))
+        if self._save_runs:
+            self._layer_saves.append(self._executor.submit(self._copier.save, self._caches[layer], layer, self._save_runs))
 
     def finish_step(self) -> None:
         """End of the forward pass: loads are done, so release their leases; commit the
@@ -189,7 +161,8 @@ class WorkerSide:
         for spec, pending in self._saves or ():
             self._finish_save(spec, pending, complete)
         self._leases, self._layer_loads, self._loading_block_ids = [], [], []
-        self._saves, self._layer_saves, self._saved_layers, self._step_failed = None, [], set(), False
+        self._saves, self._save_runs, self._layer_saves, self._saved_layers = None, [], [], set()
+        self._step_failed = False
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

@@ -9,8 +9,9 @@ gather path), and broken ones that lose or duplicate elements.
 import pytest
 import torch
 
-from kvstore.connectors.vllm_layout import BlockOrder
+from kvstore.connectors.vllm_layout import BlockOrder, LayerCopier, runs_of
 from kvstore.errors import InvalidArgument
+from kvstore.layout import KVLayout
 
 HEADS, TOKENS, DIM = 2, 32, 64
 SHAPE = (HEADS, TOKENS, 2 * DIM)  # vLLM CPU: (heads, block_size, 2·head_size) per block
@@ -46,14 +47,16 @@ def reference_planes(native: torch.Tensor, writer) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_saved_planes_are_k_then_v_head_major_and_load_restores_the_block(writer, dtype):
     order = BlockOrder.discover(writer, SHAPE, dtype, HEADS, TOKENS, DIM, "layer 0")
-    cache = torch.randn(5, *SHAPE).to(dtype)
-    planes = torch.empty(2 * HEADS * TOKENS * DIM, dtype=dtype)
-    order.save(cache[3], planes)  # a block in the middle: views must honour its offset
-    assert torch.equal(planes.view(2, HEADS, TOKENS, DIM), reference_planes(cache[3], writer))
-    restored = torch.zeros(5, *SHAPE, dtype=dtype)
-    order.load(planes, restored[2])
-    assert torch.equal(restored[2], cache[3])
-    assert not restored[[0, 1, 3, 4]].any()  # nothing outside the target block was touched
+    cache = torch.randn(6, *SHAPE).to(dtype)
+    # two blocks in the middle, into rows that lie apart (slots of a slab): views must honour offsets and strides
+    rows = torch.zeros(2, 3 * 2 * HEADS * TOKENS * DIM, dtype=dtype)[:, 5 : 5 + 2 * HEADS * TOKENS * DIM]
+    order.save(cache[3:5], rows)
+    for row, block in zip(rows, cache[3:5]):
+        assert torch.equal(row.view(2, HEADS, TOKENS, DIM), reference_planes(block, writer))
+    restored = torch.zeros(6, *SHAPE, dtype=dtype)
+    order.load(rows, restored[1:3])
+    assert torch.equal(restored[1:3], cache[3:5])
+    assert not restored[[0, 3, 4, 5]].any()  # nothing outside the target blocks was touched
 
 
 def test_the_transposed_layout_copies_through_strided_views_and_the_packed_one_through_the_index():
@@ -82,3 +85,35 @@ def test_a_kernel_that_stores_an_element_twice_is_refused():
 def test_a_block_of_the_wrong_size_is_refused():
     with pytest.raises(InvalidArgument, match="holds 4096 elements, not the 8192"):
         BlockOrder.discover(transposed_k_writer, (HEADS, TOKENS, DIM), torch.bfloat16, HEADS, TOKENS, DIM, "layer 0")
+
+
+def test_runs_join_consecutive_blocks_whose_slots_are_adjacent():
+    slab = torch.zeros(10 * 100, dtype=torch.uint8)
+    slots = [slab[i * 100 : (i + 1) * 100] for i in (0, 1, 2, 5, 6)]
+    runs = runs_of([7, 8, 9, 10, 12], slots, block_bytes=100)
+    # 7-9 adjacent in both; 10's slot is not next to 9's; 12 does not follow 10
+    assert [(r.first_block, r.count) for r in runs] == [(7, 3), (10, 1), (12, 1)]
+    assert runs[1].first_slot.data_ptr() == slots[3].data_ptr()
+
+
+@pytest.mark.parametrize("writer", [transposed_k_writer, paired_k_writer])
+def test_the_layer_copier_moves_one_layer_of_every_run_and_nothing_else(writer):
+    layout = KVLayout(num_layers=3, num_kv_heads=HEADS, head_dim=DIM, block_size=TOKENS, dtype="bfloat16", inner_order="HND")
+    orders = [BlockOrder.discover(writer, SHAPE, torch.bfloat16, HEADS, TOKENS, DIM, f"layer {i}") for i in range(3)]
+    copier = LayerCopier(layout, torch.bfloat16, orders)
+    slab = torch.zeros(8 * layout.block_bytes, dtype=torch.uint8)
+    slot_of = {block: slab[i * layout.block_bytes : (i + 1) * layout.block_bytes] for i, block in enumerate([4, 5, 6, 9])}
+    caches = [torch.randn(12, *SHAPE).bfloat16() for _ in range(3)]
+    blocks = [4, 5, 6, 9]
+    runs = runs_of(blocks, [slot_of[b] for b in blocks], layout.block_bytes)
+    assert len(runs) == 2
+    copier.save(caches[1], 1, runs)
+    for block in blocks:
+        offset, length = layout.layer_slice(1)
+        stored = slot_of[block][offset : offset + length].view(torch.bfloat16).view(2, HEADS, TOKENS, DIM)
+        assert torch.equal(stored, reference_planes(caches[1][block], writer))
+        assert not slot_of[block][: layout.layer_slice(1)[0]].any()  # layer 0 untouched
+    restored = torch.zeros(12, *SHAPE, dtype=torch.bfloat16)
+    copier.load(restored, 1, runs)
+    assert torch.equal(restored[blocks], caches[1][blocks])
+    assert not restored[[b for b in range(12) if b not in blocks]].any()

@@ -150,7 +150,7 @@ def test_a_fetch_past_its_deadline_keeps_what_arrived_and_frees_the_rest():
                 await original(channel, transfer_id, namespace, [block], 1, *args)
                 await asyncio.sleep(0.2)
 
-        import kvstore.transport.serving as serving
+        import kvstore.transport.peer_server as serving
 
         serving.send_blocks = slow_send_blocks
         try:

@@ -5,7 +5,7 @@
                    arrived verified before the deadline (the rest is recomputed)
     store          push whole chains into a peer's tiers (drain, warm-up)
     handoff        prefill → decode, layer by layer (transport/handoff.py)
-    serving        the same conversations started by peers (transport/serving.py)
+    serving        the same conversations started by peers (transport/peer_server.py)
 
 Peers find each other through the block-location index: every node registers its
 transport address there, and a destination may be named by node id or by address.
@@ -34,7 +34,7 @@ from kvstore.transport.config import TransportConfig
 from kvstore.transport.handoff import HandoffState, IncomingHandoff, OutgoingHandoff
 from kvstore.transport.handoffs import HandoffRegistry
 from kvstore.transport.peer import ChannelPool, buffer_of, leading, recv_block_into, recv_message, request, send_blocks, send_control
-from kvstore.transport.serving import PeerServer
+from kvstore.transport.peer_server import PeerServer
 from kvstore.transport.wire import FrameKind
 
 __all__ = ["TransferService"]

@@ -289,3 +289,40 @@ def test_chain_plans_skip_orphans_and_respect_the_budget():
     budget = drain_plan(list(node.manager.blocks()), max_bytes=2 * BLOCK + 1)
     assert [c.hashes for c in budget] == [tuple(hashes[:2])]
     assert shared_prefixes(list(node.manager.blocks())) == []
+
+
+def test_a_consumer_daemon_gone_mid_handoff_fails_the_producer_and_frees_its_staging():
+    async def main():
+        fleet = Fleet()
+        prefill, decode = await fleet.add("prefill"), await fleet.add("decode")
+        await prefill.handoff_send(1, DIGEST, _hashes(2), None, "req-4", decode.address)
+        prefill.handoff_layers_ready(1, "req-4", 0, 1)
+        await decode.close()  # the decode host went away
+        for layer in range(1, LAYOUT.num_layers):
+            prefill.handoff_layers_ready(1, "req-4", layer, 1)
+        with pytest.raises(TransferFailed):
+            await prefill.handoff_finish(1, "req-4", timeout_s=5)
+        assert prefill.handoffs.outgoing == {}
+        assert prefill.manager.tier(TierKind.HOST).stats().used_bytes == 0
+        await prefill.close()
+
+    run(main())
+
+
+def test_an_unclaimed_handoff_is_stored_and_its_staging_freed_at_the_deadline():
+    async def main():
+        fleet = Fleet()
+        prefill, decode = await fleet.add("prefill"), await fleet.add("decode", handoff_timeout_s=0.5)
+        hashes = _hashes(2)
+        await prefill.handoff_send(1, DIGEST, hashes, None, "req-5", decode.address)
+        prefill.handoff_layers_ready(1, "req-5", 0, LAYOUT.num_layers)
+        assert await prefill.handoff_finish(1, "req-5", timeout_s=5) == 2
+        assert decode.manager.tier(TierKind.HOST).stats().used_bytes == 4 * BLOCK  # stored + staged for a reader
+        await asyncio.sleep(0.6)
+        decode.housekeeping()
+        assert decode.handoffs.incoming == {}
+        assert decode.manager.tier(TierKind.HOST).stats().used_bytes == 2 * BLOCK
+        assert decode.manager.lookup(DIGEST, hashes) == [TierKind.HOST] * 2  # a late reader loads it from the store
+        await fleet.close()
+
+    run(main())

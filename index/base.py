@@ -104,5 +104,10 @@ class SessionStore(abc.ABC):
         a move with its reason."""
 
     @abc.abstractmethod
+    async def reassign(self, from_node: str, to_node: str, reason: str) -> int:
+        """Point every session that sticks to ``from_node`` at ``to_node`` (a drain);
+        returns how many moved."""
+
+    @abc.abstractmethod
     async def moves(self, limit: int = 100) -> list[dict]:
         """The most recent session moves, newest first: session, from, to, reason, time."""

@@ -338,6 +338,22 @@ class RedisSessionStore(SessionStore):
                 await self._redis.run_many([], push)
         return SessionAffinity(session_id, node_id, int(num_moves))
 
+    async def reassign(self, from_node: str, to_node: str, reason: str) -> int:
+        """Scans every session key (on every shard): a drain is rare and operator-paced."""
+        _check_node_id(to_node)
+        moved: list[str] = []
+        prefix = f"{self._prefix}:s:"
+        with self._redis.translated(f"moving the sessions of node {from_node!r}"):
+            async for key in self._redis.client.scan_iter(match=prefix + "*", count=1000):
+                key = key.decode() if isinstance(key, bytes) else key
+                if await self._redis.run(redis_scripts.SESSION_REASSIGN, (key,), (from_node, to_node)):
+                    moved.append(key[len(prefix) :])
+            if moved:
+                now = time.time()
+                records = [msgpack.packb({"session": s, "from": from_node, "to": to_node, "reason": reason, "time": now}) for s in moved]
+                await self._redis.run_many([], [("LPUSH", self._moves_key, *records), ("LTRIM", self._moves_key, 0, self._max_moves - 1)])
+        return len(moved)
+
     async def moves(self, limit: int = 100) -> list[dict]:
         if limit <= 0:
             return []

@@ -39,7 +39,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from kvstore.errors import TierUnavailable
 
-__all__ = ["RedisBoundary", "RedisClient", "REGISTER", "VIEW", "APPLY", "MATCH", "SESSION_PUT"]
+__all__ = ["RedisBoundary", "RedisClient", "REGISTER", "VIEW", "APPLY", "MATCH", "SESSION_PUT", "SESSION_REASSIGN"]
 
 RedisClient = aioredis.Redis | RedisCluster
 ScriptCall = tuple[str, Sequence[str], Sequence[Any]]  # source, keys, args
@@ -329,4 +329,15 @@ if from ~= '' then moves = moves + 1 end
 redis.call('HSET', KEYS[1], 'node', ARGV[1], 'moves', moves)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {moves, from}
+"""
+
+# KEYS: a session key; ARGV: from node, to node. Moves the session only if it still sticks
+# to the draining node (a router may have moved it meanwhile); its TTL is kept.
+SESSION_REASSIGN = """
+if redis.call('HGET', KEYS[1], 'node') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'node', ARGV[2])
+  redis.call('HINCRBY', KEYS[1], 'moves', 1)
+  return 1
+end
+return 0
 """

@@ -88,6 +88,16 @@ class EmbeddedSessionStore(SessionStore):
             heapq.heapify(self._expiries)
         return SessionAffinity(session_id, node_id, num_moves)
 
+    async def reassign(self, from_node: str, to_node: str, reason: str) -> int:
+        self._expire()
+        moved = [sid for sid, session in self._sessions.items() if session.node_id == from_node]
+        for session_id in moved:
+            session = self._sessions[session_id]
+            session.node_id = to_node
+            session.num_moves += 1
+            self._moves.appendleft({"session": session_id, "from": from_node, "to": to_node, "reason": reason, "time": self._wall_clock()})
+        return len(moved)
+
     async def moves(self, limit: int = 100) -> list[dict]:
         if limit <= 0:
             return []

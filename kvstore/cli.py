@@ -411,19 +411,50 @@ _pin_command("pin", "Pin", "pinned")
 _pin_command("unpin", "Unpin", "unpinned")
 
 
+def _move_summary(verb: str, document: dict) -> str:
+    peers = ", ".join(f"{node} {count}" for node, count in sorted(document.get("blocks_by_peer", {}).items())) or "none"
+    return (
+        f"{verb} {document.get('moved_blocks', 0)} blocks ({document.get('moved_bytes', 0)} bytes); "
+        f"{document.get('remaining_blocks', 0)} left behind; by peer: {peers}; "
+        f"sessions moved: {document.get('sessions_moved', 0)}"
+    )
+
+
 @main.command()
 @click.option("--to", "targets", multiple=True, help="peer node ids to move blocks to (default: any with room).")
 @click.option("--max-bytes", type=int, default=0, help="stop after moving this many bytes (0: no limit).")
 @click.pass_obj
 @_guarded
 def drain(ctx: Context, targets: tuple[str, ...], max_bytes: int) -> None:
-    """Move this node's most valuable blocks to peers before it is removed."""
+    """Copy this node's most valuable blocks to peers and move its sessions, before it is removed."""
     from kvstore.api.v1 import kvstore_pb2 as pb
 
     with ctx.client() as client:
         response = client.admin.Drain(pb.DrainRequest(target_node_ids=list(targets), max_bytes=max_bytes))
+    document = _message_document(response)
+    ctx.emit(document, lambda: click.echo(_move_summary("moved", document)))
+
+
+@main.command()
+@click.option("--from", "sources", multiple=True, help="peer node ids to warm from (default: every live peer).")
+@click.option("--max-bytes", type=int, default=0, help="stop after fetching this many bytes (0: no limit).")
+@click.pass_obj
+@_guarded
+def warm(ctx: Context, sources: tuple[str, ...], max_bytes: int) -> None:
+    """Fetch the fleet's hottest shared prefixes into this node."""
+    from kvstore.api.v1 import kvstore_pb2 as pb
+
+    with ctx.client() as client:
+        response = client.admin.Warm(pb.WarmRequest(source_node_ids=list(sources), max_bytes=max_bytes))
+    document = _message_document(response)
+    ctx.emit(document, lambda: click.echo(_move_summary("fetched", document)))
+
+
+def _message_document(response) -> dict:
     document = {field.name: value for field, value in response.ListFields()}
-    ctx.emit(document, lambda: click.echo(json.dumps(document)))
+    if "blocks_by_peer" in document:
+        document["blocks_by_peer"] = dict(document["blocks_by_peer"])
+    return document
 
 
 if __name__ == "__main__":

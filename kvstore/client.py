@@ -9,6 +9,15 @@ offsets cross the socket:
 - ``load(namespace, hashes, into)``: lease the prefix (the daemon first promotes NVMe
   blocks into the slab) → copy out → release.
 
+- ``load(…, allow_remote=True)`` first asks the daemon to fetch the blocks it misses
+  from the peer that holds them (within a deadline), then loads as above;
+- ``begin_save``/``commit``/``abort`` and ``acquire``/``release``: the same save and
+  load with the slab slots handed out in place, for connectors that copy one layer at a
+  time as the forward pass produces or needs it;
+- ``handoff_*``: prefill → decode, layer by layer (transport/handoff.py): the producer
+  writes layers into staging slots and hands each over as it is computed; the consumer
+  waits for a layer only when its forward pass needs it.
+
 Each call is one control round trip for any number of blocks (a save is reserve +
 commit; a load is acquire + a release that is not waited for), repeated only when a
 prefix is larger than the host tier can lease at once. ``KVStoreClient`` is blocking
@@ -38,13 +47,14 @@ from kvstore.localproto import (
     namespace_to_wire,
     pack_hashes,
     raise_remote_error,
+    unpack_hashes,
 )
 from kvstore.namespace import Namespace
 from kvstore.tiers.base import TierKind, byte_view, copy_bytes
 from kvstore.tiers.host import SharedSlab
 from kvstore.tiers.slab import Slot
 
-__all__ = ["KVStoreClient", "AsyncKVStoreClient", "LookupResult", "PendingSave", "Lease"]
+__all__ = ["KVStoreClient", "AsyncKVStoreClient", "LookupResult", "HandoffSend", "HandoffReceive", "PendingSave", "Lease"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +69,25 @@ class LookupResult:
     @property
     def num_tokens(self) -> int:
         return len(self.tiers) * self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffSend:
+    transfer_id: str
+    views: list[torch.Tensor]  # writable uint8 views of each block's staging slot, chain order
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffReceive:
+    transfer_id: str
+    hashes: list[BlockHash]
+    parent_hash: BlockHash | None
+    views: list[torch.Tensor]  # uint8 views of each block's staging slot: read a layer once it is ready
+    ready_layers: int
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,9 +160,13 @@ class _Codec:
         for index, offset in placements:
             copy_bytes(self.slab.view(Slot(offset, nbytes), nbytes), views[index])
 
-    def slot_views(self, digest: bytes, offsets: list[int]) -> tuple[torch.Tensor, ...]:
+    def slot_views(self, digest: bytes, offsets: list[int]) -> list[torch.Tensor]:
         nbytes = self.nbytes(digest)
-        return tuple(self.slab.view(Slot(offset, nbytes), nbytes) for offset in offsets)
+        return [self.slab.view(Slot(offset, nbytes), nbytes) for offset in offsets]
+
+    def handoff_receive(self, digest: bytes, transfer_id: str, result: list) -> HandoffReceive:
+        blob, offsets, parent, ready = result
+        return HandoffReceive(transfer_id, unpack_hashes(blob), parent, self.slot_views(digest, offsets), ready)
 
     def copy_out(self, digest: bytes, offsets: list[int], views: list[torch.Tensor]) -> None:
         nbytes = self.block_bytes[digest]
@@ -187,9 +220,23 @@ class KVStoreClient:
             raise
         return self._call(Op.COMMIT, reservation_id, None)
 
-    def load(self, namespace: bytes, hashes: Sequence[BlockHash], into: Sequence[torch.Tensor]) -> int:
-        """Copy the longest cached prefix of ``hashes`` into ``into``; returns its length."""
+    def load(
+        self,
+        namespace: bytes,
+        hashes: Sequence[BlockHash],
+        into: Sequence[torch.Tensor],
+        allow_remote: bool = False,
+        deadline_s: float = 2.0,
+        source: str | None = None,
+    ) -> int:
+        """Copy the longest cached prefix of ``hashes`` into ``into``; returns its length.
+
+        With ``allow_remote`` the daemon first fetches missing blocks from the peer the
+        index says holds the most of them (or from ``source``, a transport address); what
+        has not arrived within ``deadline_s`` is left out (a shorter hit, recomputed)."""
         views = self._codec.checked_blocks(namespace, hashes, into)
+        if allow_remote:
+            self._call(Op.FETCH, namespace, pack_hashes(hashes), deadline_s, source)
         done = 0
         while done < len(hashes):
             lease_id, offsets = self._call(Op.ACQUIRE, namespace, pack_hashes(hashes[done:]))
@@ -202,6 +249,38 @@ class KVStoreClient:
             done += len(offsets)
         return done
 
+    # -- prefill → decode handoff -----------------------------------------------------------
+    def handoff_send(
+        self, namespace: bytes, hashes: Sequence[BlockHash], transfer_id: str, destination: str, parent_hash: BlockHash | None = None
+    ) -> HandoffSend:
+        """Open a handoff of ``hashes`` to ``destination`` (a node id or a transport
+        address); write each layer into the returned views, then `handoff_layers_ready`."""
+        offsets = self._call(Op.HANDOFF_SEND, namespace, pack_hashes(hashes), parent_hash, transfer_id, destination)
+        return HandoffSend(transfer_id, self._codec.slot_views(namespace, offsets))
+
+    def handoff_layers_ready(self, transfer_id: str, first_layer: int, num_layers: int = 1) -> None:
+        """Layers [first, first+n) of every block are written: the daemon sends them now."""
+        self._send(Op.HANDOFF_READY | Op.NO_REPLY, transfer_id, first_layer, num_layers)
+
+    def handoff_finish(self, transfer_id: str, timeout_s: float = 30.0) -> int:
+        """Wait until the destination holds every layer; returns how many blocks it stored."""
+        return self._call(Op.HANDOFF_FINISH, transfer_id, timeout_s)
+
+    def handoff_cancel(self, transfer_id: str) -> None:
+        self._call(Op.HANDOFF_CANCEL, transfer_id)
+
+    def handoff_receive(self, namespace: bytes, transfer_id: str, timeout_s: float = 30.0) -> HandoffReceive:
+        """Wait until the producer has announced the handoff; its layers arrive afterwards."""
+        return self._codec.handoff_receive(namespace, transfer_id, self._call(Op.HANDOFF_RECEIVE, namespace, transfer_id, timeout_s))
+
+    def handoff_wait_layers(self, transfer_id: str, stop_layer: int, timeout_s: float = 30.0) -> int:
+        """Return once layers [0, stop_layer) of every block arrived verified."""
+        return self._call(Op.HANDOFF_WAIT, transfer_id, stop_layer, timeout_s)
+
+    def handoff_close(self, transfer_id: str) -> None:
+        """Done reading; the blocks stay in the store."""
+        self._call(Op.HANDOFF_CLOSE, transfer_id)
+
     # -- in-place access: connectors that write or read a block one layer at a time --------
     # The views below are the slab slots themselves; a layer-wise connector fills a
     # reservation as the forward pass produces each layer and reads a lease as each
@@ -212,7 +291,7 @@ class KVStoreClient:
         reservation_id, placements = self._call(Op.RESERVE, namespace, pack_hashes(hashes), parent_hash)
         indices = tuple(index for index, _ in placements)
         views = self._codec.slot_views(namespace, [offset for _, offset in placements])
-        return PendingSave(reservation_id, indices, views)
+        return PendingSave(reservation_id, indices, tuple(views))
 
     def commit(self, pending: PendingSave) -> int:
         """Make a filled reservation visible; returns how many blocks were stored."""
@@ -310,8 +389,18 @@ class AsyncKVStoreClient:
             raise
         return await self._call(Op.COMMIT, reservation_id, None)
 
-    async def load(self, namespace: bytes, hashes: Sequence[BlockHash], into: Sequence[torch.Tensor]) -> int:
+    async def load(
+        self,
+        namespace: bytes,
+        hashes: Sequence[BlockHash],
+        into: Sequence[torch.Tensor],
+        allow_remote: bool = False,
+        deadline_s: float = 2.0,
+        source: str | None = None,
+    ) -> int:
         views = self._codec.checked_blocks(namespace, hashes, into)
+        if allow_remote:
+            await self._call(Op.FETCH, namespace, pack_hashes(hashes), deadline_s, source)
         done = 0
         while done < len(hashes):
             lease_id, offsets = await self._call(Op.ACQUIRE, namespace, pack_hashes(hashes[done:]))

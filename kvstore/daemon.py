@@ -3,7 +3,8 @@
 Start: reclaim what a crashed run left (a socket nobody answers on, the host tier's
 shared-memory file), open the tiers (a broken NVMe directory is reported and the node
 runs from memory), serve the local protocol on the Unix socket (mode 0600/0660), the gRPC
-API on TCP and Prometheus metrics over HTTP, and write a state file next to the socket
+API on TCP, the peer transport (TCP or UCX: remote fetch, handoff, drain) and Prometheus
+metrics over HTTP, and write a state file next to the socket
 (pid, addresses) so that the CLI and tests find ports chosen at start. The node registers
 with the block-location index (embedded, or Redis for a fleet) and publishes its block
 events there (kvstore/publisher.py); routers ask it through `Index.Match` / `Index.Route`.
@@ -40,6 +41,8 @@ from kvstore.router import Router
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.manager import TierManager
 from kvstore.tiers.nvme import NvmeTier
+from kvstore.transport.factory import open_transport
+from kvstore.transport.service import TransferService
 
 __all__ = ["run", "serve"]
 
@@ -90,20 +93,24 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
+    index, sessions = open_index(config.index)
+    transport = open_transport(config.transport)
+    transfers = None if transport is None else TransferService(node, transport, config.transport, index)
+    transport_address = "" if transfers is None else await transfers.start()
+
     host = manager.tier(manager.tier_kinds[0])
     slab_path = str(host.path)
     old_umask = os.umask(0o177 if server_config.socket_mode == 0o600 else 0o117)
     try:
-        local_server = await loop.create_unix_server(lambda: LocalServerProtocol(node, slab_path), str(socket_path))
+        local_server = await loop.create_unix_server(lambda: LocalServerProtocol(node, slab_path, transfers), str(socket_path))
     finally:
         os.umask(old_umask)
     os.chmod(socket_path, server_config.socket_mode)
 
-    index, sessions = open_index(config.index)
     router = Router(node, index, sessions, config.routing)
-    grpc_server, grpc_port = create_grpc_server(node, router, server_config)
+    grpc_server, grpc_port = create_grpc_server(node, router, server_config, transfers)
     await grpc_server.start()
-    node_info = NodeInfo(node.node_id, grpc_address=f"{server_config.grpc_host}:{grpc_port}")
+    node_info = NodeInfo(node.node_id, grpc_address=f"{server_config.grpc_host}:{grpc_port}", transport_address=transport_address)
     publisher = IndexPublisher(index, node_info, manager, config.index)
     publishing = asyncio.create_task(publisher.run(stop))
     metrics_port = _start_metrics(metrics, server_config.metrics_host, server_config.metrics_port)
@@ -112,12 +119,13 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         "node_id": node.node_id,
         "socket": str(socket_path),
         "grpc_address": f"{server_config.grpc_host}:{grpc_port}",
+        "transport_address": transport_address,
         "metrics_port": metrics_port,
         "host_slab": slab_path,
     }
     state_path_for(socket_path).write_text(json.dumps(state))
-    logger.info("kvstore serving: socket %s, gRPC %s, metrics %s", socket_path, state["grpc_address"], metrics_port)
-    housekeeping = asyncio.create_task(_housekeeping(node, stop))
+    logger.info("kvstore serving: socket %s, gRPC %s, transport %s, metrics %s", socket_path, state["grpc_address"], transport_address or "off", metrics_port)
+    housekeeping = asyncio.create_task(_housekeeping(node, transfers, stop))
     if ready is not None:
         ready.set()
     try:
@@ -131,6 +139,8 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await publisher.leave()
+        if transfers is not None:
+            await transfers.close()
         await index.close()
         node.close_all_sessions()
         persisted = manager.persist()
@@ -141,10 +151,12 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         logger.info("stopped")
 
 
-async def _housekeeping(node: Node, stop: asyncio.Event) -> None:
+async def _housekeeping(node: Node, transfers: TransferService | None, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
             node.housekeeping()
+            if transfers is not None:
+                transfers.housekeeping()
         except Exception:  # a failed tick must not stop the daemon
             logger.exception("housekeeping failed")
         await asyncio.sleep(HOUSEKEEPING_PERIOD_S)

@@ -29,6 +29,7 @@ __all__ = [
     "CorruptBlock",
     "ReservationExpired",
     "TransferFailed",
+    "raise_error",
 ]
 
 
@@ -71,3 +72,11 @@ class ReservationExpired(KVStoreError):
 class TransferFailed(KVStoreError):
     """A block transfer with a peer daemon broke off: the peer went away, the deadline
     passed, or a frame failed verification. What arrived intact before stays usable."""
+
+
+def raise_error(kind: str, sentence: str) -> None:
+    """Raise the error a peer or daemon named by its class name (unknown names: the base)."""
+    error = globals().get(kind)
+    if not (isinstance(error, type) and issubclass(error, KVStoreError)):
+        error = KVStoreError
+    raise error(sentence)

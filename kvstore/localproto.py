@@ -25,13 +25,12 @@ import logging
 import operator
 import struct
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable
 
 import msgpack
 import numpy as np
 
-from kvstore import errors
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError, raise_error
 from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
@@ -67,6 +66,14 @@ class Op:
     ABORT = 6
     ACQUIRE = 7
     RELEASE = 8
+    FETCH = 9  # bring missing blocks from a peer (remote load)
+    HANDOFF_SEND = 10
+    HANDOFF_READY = 11
+    HANDOFF_FINISH = 12
+    HANDOFF_CANCEL = 13
+    HANDOFF_RECEIVE = 14
+    HANDOFF_WAIT = 15
+    HANDOFF_CLOSE = 16
     NO_REPLY = 0x100  # or-ed into an op: the client does not read an answer
 
 
@@ -75,9 +82,6 @@ TIERS_BY_CODE: list[TierKind] = list(TierKind)
 _CODE_BY_VALUE: dict[str, int] = {kind.value: code for kind, code in TIER_CODES.items()}
 _VALUE = operator.attrgetter("_value_")
 
-_ERRORS_BY_NAME: dict[str, type[KVStoreError]] = {
-    name: getattr(errors, name) for name in errors.__all__ if name != "KVStoreError"
-}
 
 
 def encode_frame(body: Any) -> bytes:
@@ -115,16 +119,18 @@ def namespace_from_wire(fields: list) -> Namespace:
 
 
 def raise_remote_error(kind: str, sentence: str) -> None:
-    raise _ERRORS_BY_NAME.get(kind, KVStoreError)(sentence)
+    raise_error(kind, sentence)
 
 
 class LocalServerProtocol(asyncio.Protocol):
     """One engine connection: a session on the node, closed (leases released,
     reservations aborted) when the connection goes."""
 
-    def __init__(self, node, slab_path: str, on_request: Callable[[], None] | None = None) -> None:
+    def __init__(self, node, slab_path: str, transfers=None) -> None:
         self._node = node
         self._slab_path = slab_path
+        self._transfers = transfers  # the TransferService, None where the transport is off
+        self._tail: asyncio.Future | None = None  # the last reply still being computed
         self._buffer = bytearray()
         self._transport: asyncio.Transport | None = None
         self._session = 0
@@ -137,6 +143,14 @@ class LocalServerProtocol(asyncio.Protocol):
             Op.ABORT: self._abort,
             Op.ACQUIRE: self._acquire,
             Op.RELEASE: self._release,
+            Op.FETCH: self._fetch,
+            Op.HANDOFF_SEND: self._handoff_send,
+            Op.HANDOFF_READY: self._handoff_ready,
+            Op.HANDOFF_FINISH: self._handoff_finish,
+            Op.HANDOFF_CANCEL: self._handoff_cancel,
+            Op.HANDOFF_RECEIVE: self._handoff_receive,
+            Op.HANDOFF_WAIT: self._handoff_wait,
+            Op.HANDOFF_CLOSE: self._handoff_close,
         }
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -144,6 +158,8 @@ class LocalServerProtocol(asyncio.Protocol):
         self._session = self._node.open_session()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._transfers is not None:
+            self._transfers.close_session(self._session)
         self._node.close_session(self._session)
         self._transport = None
 
@@ -173,16 +189,36 @@ class LocalServerProtocol(asyncio.Protocol):
             handler = self._handlers.get(op & ~Op.NO_REPLY)
             if handler is None:
                 raise InvalidArgument(f"unknown op {op}; this daemon speaks protocol version {PROTOCOL_VERSION}.")
-            reply: list = [0, handler(*request[1:])]
-        except KVStoreError as exc:
-            reply = [1, type(exc).__name__, str(exc)]
-        except (TypeError, ValueError, msgpack.UnpackException) as exc:
-            reply = [1, "InvalidArgument", f"malformed request: {exc}."]
-        except Exception as exc:  # the daemon keeps serving; the client gets a sentence
-            logger.exception("local request failed")
-            reply = [1, "KVStoreError", f"internal error serving the request: {exc}."]
+            result = handler(*request[1:])
+            if asyncio.iscoroutine(result):  # waits on a peer: answered when done
+                self._queue_reply(op, started, pending=result)
+                return
+            reply: list = [0, result]
+        except Exception as exc:
+            reply = _error_reply(exc)
+        if self._tail is not None and not self._tail.done() and not op & Op.NO_REPLY:
+            self._queue_reply(op, started, reply=reply)  # behind an answer still being computed
+            return
         self._reply(op, reply)
         self._node.metrics.observe(_OP_NAMES.get(op & ~Op.NO_REPLY, "unknown"), time.perf_counter() - started)
+
+    def _queue_reply(self, op: int, started: float, pending: Awaitable | None = None, reply: list | None = None) -> None:
+        """Replies leave in request order even when some wait on peers."""
+        previous = self._tail
+
+        async def finish() -> None:
+            nonlocal reply
+            if pending is not None:
+                try:
+                    reply = [0, await pending]
+                except Exception as exc:
+                    reply = _error_reply(exc)
+            if previous is not None:
+                await asyncio.wait([previous])
+            self._reply(op, reply)
+            self._node.metrics.observe(_OP_NAMES.get(op & ~Op.NO_REPLY, "unknown"), time.perf_counter() - started)
+
+        self._tail = asyncio.ensure_future(finish())
 
     def _reply(self, op: int, reply: list) -> None:
         if not op & Op.NO_REPLY and self._transport is not None:
@@ -224,6 +260,53 @@ class LocalServerProtocol(asyncio.Protocol):
     def _release(self, lease_id: int) -> None:
         self._node.end_load(self._session, lease_id)
 
+    # -- peers: remote fetch and prefill → decode handoff (transport/service.py) ----------
+    def _service(self):
+        if self._transfers is None:
+            raise InvalidArgument("this daemon runs without a transport (transport.kind = \"off\"); peers cannot be reached.")
+        return self._transfers
+
+    async def _fetch(self, digest: bytes, blob: bytes, deadline_s: float, source: str | None = None) -> int:
+        return await self._service().fetch_missing(digest, unpack_hashes(blob), _positive(deadline_s, "deadline_s"), source)
+
+    async def _handoff_send(self, digest: bytes, blob: bytes, parent: bytes | None, transfer_id: str, destination: str) -> list:
+        handoff = await self._service().handoff_send(self._session, digest, unpack_hashes(blob), parent, transfer_id, destination)
+        return [slot.offset for slot in handoff.slots]
+
+    def _handoff_ready(self, transfer_id: str, first_layer: int, num_layers: int) -> None:
+        self._service().handoff_layers_ready(self._session, transfer_id, first_layer, num_layers)
+
+    async def _handoff_finish(self, transfer_id: str, timeout_s: float) -> int:
+        return await self._service().handoff_finish(self._session, transfer_id, _positive(timeout_s, "timeout_s"))
+
+    def _handoff_cancel(self, transfer_id: str) -> None:
+        self._service().handoff_cancel(self._session, transfer_id)
+
+    async def _handoff_receive(self, digest: bytes, transfer_id: str, timeout_s: float) -> list:
+        handoff = await self._service().handoff_receive(self._session, digest, transfer_id, _positive(timeout_s, "timeout_s"))
+        return [pack_hashes(handoff.hashes), [slot.offset for slot in handoff.slots], handoff.parent, handoff.ready_layers]
+
+    async def _handoff_wait(self, transfer_id: str, stop_layer: int, timeout_s: float) -> int:
+        return await self._service().handoff_wait(self._session, transfer_id, stop_layer, _positive(timeout_s, "timeout_s"))
+
+    def _handoff_close(self, transfer_id: str) -> None:
+        self._service().handoff_close(self._session, transfer_id)
+
+
+def _positive(value: float, name: str) -> float:
+    if not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidArgument(f"{name} must be a positive number of seconds, got {value!r}.")
+    return float(value)
+
+
+def _error_reply(exc: Exception) -> list:
+    if isinstance(exc, KVStoreError):
+        return [1, type(exc).__name__, str(exc)]
+    if isinstance(exc, (TypeError, ValueError, msgpack.UnpackException)):
+        return [1, "InvalidArgument", f"malformed request: {exc}."]
+    logger.error("local request failed", exc_info=exc)  # the daemon keeps serving; the client gets a sentence
+    return [1, "KVStoreError", f"internal error serving the request: {exc}."]
+
 
 _OP_NAMES = {
     Op.HELLO: "hello",
@@ -234,4 +317,12 @@ _OP_NAMES = {
     Op.ABORT: "abort",
     Op.ACQUIRE: "acquire",
     Op.RELEASE: "release",
+    Op.FETCH: "fetch",
+    Op.HANDOFF_SEND: "handoff_send",
+    Op.HANDOFF_READY: "handoff_ready",
+    Op.HANDOFF_FINISH: "handoff_finish",
+    Op.HANDOFF_CANCEL: "handoff_cancel",
+    Op.HANDOFF_RECEIVE: "handoff_receive",
+    Op.HANDOFF_WAIT: "handoff_wait",
+    Op.HANDOFF_CLOSE: "handoff_close",
 }

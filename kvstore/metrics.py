@@ -36,6 +36,13 @@ class Metrics:
         self.stored_blocks = Counter("kvstore_stored_blocks", "Blocks committed by writers.", registry=r)
         self.written_bytes = Counter("kvstore_written_bytes", "Bytes committed by writers into the host tier.", registry=r)
         self.explicit_evictions = Counter("kvstore_explicit_evictions", "Blocks evicted by an operator or API call.", registry=r)
+        self.transfer_blocks = Counter(
+            "kvstore_transfer_blocks", "Blocks moved between daemons, by direction and operation.", ["direction", "op"], registry=r
+        )
+        self.transfer_bytes = Counter("kvstore_transfer_bytes", "Bytes moved between daemons, by direction.", ["direction"], registry=r)
+        self.transfer_dropped = Counter(
+            "kvstore_transfer_dropped_blocks", "Received blocks dropped before storing, by reason.", ["reason"], registry=r
+        )
         self.request_seconds = Histogram(
             "kvstore_request_seconds", "Time to serve a request, by operation.", ["rpc"], registry=r,
             buckets=(50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.1, 0.5, 1.0, 5.0),
@@ -77,6 +84,14 @@ class Metrics:
     def stored(self, num_blocks: int, num_bytes: int) -> None:
         self.stored_blocks.inc(num_blocks)
         self.written_bytes.inc(num_bytes)
+
+    def transferred(self, direction: str, op: str, num_blocks: int, num_bytes: int) -> None:
+        if num_blocks:
+            self.transfer_blocks.labels(direction, op).inc(num_blocks)
+            self.transfer_bytes.labels(direction).inc(num_bytes)
+
+    def dropped(self, reason: str, num_blocks: int = 1) -> None:
+        self.transfer_dropped.labels(reason).inc(num_blocks)
 
     def evicted_explicitly(self, num_blocks: int) -> None:
         self.explicit_evictions.inc(num_blocks)

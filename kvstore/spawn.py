@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from kvstore.errors import TierUnavailable
 from kvstore.paths import state_path_for
@@ -42,13 +42,16 @@ def serve_command(socket_path: Path, settings: Mapping[str, object]) -> list[str
     return command
 
 
-def spawn_daemon(socket_path: Path, settings: Mapping[str, object], log_path: Path, timeout_s: float = 60.0) -> DaemonProcess:
+def spawn_daemon(
+    socket_path: Path, settings: Mapping[str, object], log_path: Path, timeout_s: float = 60.0, prefix: Sequence[str] = ()
+) -> DaemonProcess:
     """Run `kvstore serve` with ``settings`` (``section.field`` → value) and return once
-    its state file exists; its output goes to ``log_path``."""
+    its state file exists; its output goes to ``log_path``. ``prefix`` wraps the command
+    (e.g. ``ip netns exec NAME`` to run it in a network namespace)."""
     state_file = state_path_for(socket_path)
     state_file.unlink(missing_ok=True)
     with open(log_path, "ab") as log:
-        process = subprocess.Popen(serve_command(socket_path, settings), stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen([*prefix, *serve_command(socket_path, settings)], stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:

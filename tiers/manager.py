@@ -304,6 +304,34 @@ class TierManager:
             stored += self.commit(reservation.id)
         return stored
 
+    # -- staging (transfers) ------------------------------------------------------------
+    def allocate_staging(self, namespace: bytes, count: int) -> list[Slot]:
+        """``count`` slots of the top memory tier that belong to no block yet: a handoff
+        lands there layer by layer and its reader reads there before the blocks are stored
+        (staging slots are neither leased nor evictable; their owner frees them). All or CapacityExhausted."""
+        nbytes = self.block_bytes(namespace)
+        kind = self._usable_kind(None)
+        slots: list[Slot] = []
+        for _ in range(count):
+            slot = self._allocate(kind, nbytes)
+            if slot is None:
+                self.free_staging(slots)
+                raise CapacityExhausted(f"the {kind.value} tier has no room to stage {count} blocks of {nbytes} bytes.")
+            slots.append(slot)
+        return slots
+
+    def staging_views(self, namespace: bytes, slots: Sequence[Slot]) -> list[torch.Tensor]:
+        nbytes = self.block_bytes(namespace)
+        tier = self._tiers[self._usable_kind(None)]
+        if not isinstance(tier, MemoryTier):
+            raise InvalidArgument(f"the {tier.kind.value} tier cannot stage transfers.")
+        return [tier.view(slot, nbytes) for slot in slots]
+
+    def free_staging(self, slots: Iterable[Slot]) -> None:
+        kind = self._usable_kind(None)
+        for slot in slots:
+            self._free_quietly(kind, slot)
+
     # -- read path --------------------------------------------------------------------
     def acquire(self, namespace: bytes, hashes: Iterable[BlockHash], tier: TierKind | None = None) -> ReadLease:
         """Lease the longest cached prefix of ``hashes``, moved into ``tier`` first (default:

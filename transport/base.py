@@ -8,6 +8,9 @@
     Channel                         one connection; messages arrive in the order sent
       send(header, payload)         one message; the payload is ``header.length`` bytes
       send_many(frames)             several, pipelined where the transport can
+                                    (both return when the payload buffers may be reused:
+                                    over UCX, once the peer received them, so a large
+                                    send waits for the peer to post its receive)
       recv_header()                 the next message's header, already checked
       recv_payload(into)            its payload, received straight into ``into``
       close()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from kvstore.api.v1 import kvstore_pb2 as pb
+from kvstore.drain import MoveReport
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.index.base import NodeInfo
@@ -355,3 +356,13 @@ def route_response(decision: RouteDecision) -> pb.RouteResponse:
 
 def node_info(node: NodeInfo) -> pb.NodeInfo:
     return pb.NodeInfo(node_id=node.node_id, grpc_address=node.grpc_address, transport_address=node.transport_address, kind=node.kind)
+
+
+def move_report(report: MoveReport) -> pb.DrainResponse:
+    return pb.DrainResponse(
+        moved_blocks=report.moved_blocks,
+        moved_bytes=report.moved_bytes,
+        remaining_blocks=report.remaining_blocks,
+        sessions_moved=report.sessions_moved,
+        blocks_by_peer=report.blocks_by_peer,
+    )

@@ -18,6 +18,7 @@ from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError
 from kvstore.node import Limits, Node
 from kvstore.router import Router
+from kvstore.transport.service import TransferService
 
 __all__ = ["create_grpc_server", "KVSTORE_SERVICES", "message_limit_bytes"]
 
@@ -49,7 +50,7 @@ class _Health(health.aio.HealthServicer):
             self._server_status[service] = health_pb2.HealthCheckResponse.SERVING
 
 
-def create_grpc_server(node: Node, router: Router, config: ServerConfig) -> tuple[grpc.aio.Server, int]:
+def create_grpc_server(node: Node, router: Router, config: ServerConfig, transfers: TransferService | None = None) -> tuple[grpc.aio.Server, int]:
     """An aio server bound to ``config.grpc_address`` (port 0: a free port), not started.
 
     Returns the server and the port it is bound to. Must be called on the event loop that
@@ -66,7 +67,7 @@ def create_grpc_server(node: Node, router: Router, config: ServerConfig) -> tupl
     )
     pb_grpc.add_StoreServicer_to_server(StoreServicer(node), server)
     pb_grpc.add_IndexServicer_to_server(IndexServicer(node, router), server)
-    pb_grpc.add_AdminServicer_to_server(AdminServicer(node), server)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(node, router, transfers), server)
     health_pb2_grpc.add_HealthServicer_to_server(_Health(KVSTORE_SERVICES), server)
     reflection.enable_server_reflection((*KVSTORE_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:

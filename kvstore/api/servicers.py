@@ -30,11 +30,14 @@ from kvstore.errors import (
     NotFound,
     ReservationExpired,
     TierUnavailable,
+    TransferFailed,
     UnknownNamespace,
 )
+from kvstore.drain import drain, warm
 from kvstore.hashing import BlockHash
 from kvstore.node import Node
 from kvstore.router import Router
+from kvstore.transport.service import TransferService
 
 __all__ = ["StoreServicer", "IndexServicer", "AdminServicer", "status_for"]
 
@@ -49,6 +52,7 @@ _STATUS_FOR: tuple[tuple[type[KVStoreError], grpc.StatusCode], ...] = (
     (TierUnavailable, grpc.StatusCode.UNAVAILABLE),
     (ReservationExpired, grpc.StatusCode.FAILED_PRECONDITION),
     (CorruptBlock, grpc.StatusCode.DATA_LOSS),
+    (TransferFailed, grpc.StatusCode.UNAVAILABLE),
 )
 
 Request = TypeVar("Request")
@@ -180,6 +184,11 @@ class IndexServicer(_NodeServicer, pb_grpc.IndexServicer):
 class AdminServicer(_NodeServicer, pb_grpc.AdminServicer):
     service = "Admin"
 
+    def __init__(self, node: Node, router: Router, transfers: TransferService | None) -> None:
+        super().__init__(node)
+        self.router = router
+        self.transfers = transfers
+
     @_served
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         return convert.stats_response(self.node.stats())
@@ -213,8 +222,16 @@ class AdminServicer(_NodeServicer, pb_grpc.AdminServicer):
 
     @_served
     async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "Admin.Drain is not served yet: drain arrives with the transport; until then evict or persist "
-            "blocks before scale-down.",
-        )
+        report = await drain(self._transfers(), self.router.index, self.router.sessions, list(request.target_node_ids), request.max_bytes)
+        return convert.move_report(report)
+
+    @_served
+    async def Warm(self, request: pb.WarmRequest, context) -> pb.DrainResponse:
+        report = await warm(self._transfers(), self.router.index, list(request.source_node_ids), request.max_bytes)
+        return convert.move_report(report)
+
+    def _transfers(self) -> TransferService:
+        if self.transfers is None:
+            raise InvalidArgument("this daemon runs without a transport (transport.kind = \"off\"); it cannot move blocks to peers.")
+        return self.transfers
+

@@ -386,11 +386,30 @@ class DrainRequest(_message.Message):
     def __init__(self, target_node_ids: _Optional[_Iterable[str]] = ..., max_bytes: _Optional[int] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
-    __slots__ = ("moved_blocks", "moved_bytes", "remaining_blocks")
+    __slots__ = ("moved_blocks", "moved_bytes", "remaining_blocks", "sessions_moved", "blocks_by_peer")
+    class BlocksByPeerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MOVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MOVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     REMAINING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_BY_PEER_FIELD_NUMBER: _ClassVar[int]
     moved_blocks: int
     moved_bytes: int
     remaining_blocks: int
-    def __init__(self, moved_blocks: _Optional[int] = ..., moved_bytes: _Optional[int] = ..., remaining_blocks: _Optional[int] = ...) -> None: ...
+    sessions_moved: int
+    blocks_by_peer: _containers.ScalarMap[str, int]
+    def __init__(self, moved_blocks: _Optional[int] = ..., moved_bytes: _Optional[int] = ..., remaining_blocks: _Optional[int] = ..., sessions_moved: _Optional[int] = ..., blocks_by_peer: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class WarmRequest(_message.Message):
+    __slots__ = ("source_node_ids", "max_bytes")
+    SOURCE_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    source_node_ids: _containers.RepeatedScalarFieldContainer[str]
+    max_bytes: int
+    def __init__(self, source_node_ids: _Optional[_Iterable[str]] = ..., max_bytes: _Optional[int] = ...) -> None: ...

@@ -438,6 +438,11 @@ class AdminStub(object):
                 request_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Warm = channel.unary_unary(
+                '/kvstore.v1.Admin/Warm',
+                request_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.WarmRequest.SerializeToString,
+                response_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer(object):
@@ -478,8 +483,15 @@ class AdminServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
-        """Move this node's blocks to peers before scale-down. Arrives with the transport;
-        UNIMPLEMENTED until then.
+        """Copy this node's most valuable chains to peers with room and move the sessions
+        that stuck to it, before scale-down. Requests keep being served meanwhile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Warm(self, request, context):
+        """Fetch the fleet's hottest shared prefixes from peers into this (new) node.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -516,6 +528,11 @@ def add_AdminServicer_to_server(servicer, server):
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
                     request_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.DrainRequest.FromString,
+                    response_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.DrainResponse.SerializeToString,
+            ),
+            'Warm': grpc.unary_unary_rpc_method_handler(
+                    servicer.Warm,
+                    request_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.WarmRequest.FromString,
                     response_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.DrainResponse.SerializeToString,
             ),
     }
@@ -681,6 +698,33 @@ class Admin(object):
             target,
             '/kvstore.v1.Admin/Drain',
             kvstore_dot_api_dot_v1_dot_kvstore__pb2.DrainRequest.SerializeToString,
+            kvstore_dot_api_dot_v1_dot_kvstore__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Warm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Admin/Warm',
+            kvstore_dot_api_dot_v1_dot_kvstore__pb2.WarmRequest.SerializeToString,
             kvstore_dot_api_dot_v1_dot_kvstore__pb2.DrainResponse.FromString,
             options,
             channel_credentials,

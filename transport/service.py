@@ -1,0 +1,329 @@
+"""The daemon's transfer service: every block that moves between this node and a peer.
+
+    remote fetch   a local lookup missed blocks the index says a peer holds: reserve
+                   local slots, ask the peer, receive into the slots, commit what
+                   arrived verified before the deadline (the rest is recomputed)
+    store          push whole chains into a peer's tiers (drain, warm-up)
+    handoff        prefill → decode, layer by layer (transport/handoff.py)
+    serving        the same conversations started by peers (transport/peer_server.py)
+
+Peers find each other through the block-location index: every node registers its
+transport address there, and a destination may be named by node id or by address.
+
+Owner: the daemon's event loop; the tier manager is only touched from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Sequence
+
+import torch
+
+from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, NotFound, TierUnavailable, TransferFailed
+from kvstore.hashing import BlockHash
+from kvstore.index.base import Index
+from kvstore.localproto import namespace_from_wire, namespace_to_wire, pack_hashes, unpack_hashes
+from kvstore.namespace import Namespace
+from kvstore.tiers.base import TierKind
+from kvstore.transport.base import Channel, Transport
+from kvstore.transport.config import TransportConfig
+from kvstore.transport.handoff import HandoffState, IncomingHandoff, OutgoingHandoff
+from kvstore.transport.handoffs import HandoffRegistry
+from kvstore.transport.peer import ChannelPool, buffer_of, leading, recv_block_into, recv_message, request, send_blocks, send_control
+from kvstore.transport.peer_server import PeerServer
+from kvstore.transport.wire import FrameKind
+
+__all__ = ["TransferService"]
+
+logger = logging.getLogger(__name__)
+
+
+class TransferService:
+    def __init__(self, node, transport: Transport, config: TransportConfig, index: Index) -> None:
+        self.node = node
+        self.manager = node.manager
+        self.transport = transport
+        self.config = config
+        self.index = index
+        self.pool = ChannelPool(transport, config.connect_timeout_s)
+        self.handoffs = HandoffRegistry(node.manager, config.handoff_timeout_s)
+        self.server = PeerServer(self)
+        self.address = ""
+        self._transfer_ids = iter(range(1, 1 << 62))
+        self._serving: set[asyncio.Task] = set()
+
+    async def start(self) -> str:
+        self.address = await self.transport.listen(self.config.host, self.config.port, self._on_channel)
+        return self.address
+
+    async def close(self) -> None:
+        self.handoffs.close()
+        await self.pool.close()
+        await self.transport.close()
+        for task in list(self._serving):
+            task.cancel()
+
+    async def _on_channel(self, channel: Channel) -> None:
+        task = asyncio.current_task()
+        self._serving.add(task)
+        try:
+            await self.server.serve(channel)
+        finally:
+            self._serving.discard(task)
+
+    # -- shared by both directions ------------------------------------------------------------
+    async def receive_blocks(
+        self, channel: Channel, slots: dict[int, torch.Tensor], hashes: Sequence[BlockHash], count: int, verified: set[int]
+    ) -> None:
+        """Receive ``count`` BLOCK frames, each into ``slots[seq]``, adding the sequence of
+        each block that arrives verified to ``verified`` (the caller's, so that it knows
+        what arrived even when a deadline cancels this). A block whose bytes fail their
+        checksum is dropped and the stream stays in step; a frame that does not belong to
+        this transfer breaks it off."""
+        for _ in range(count):
+            header = await channel.recv_header()
+            if header.kind is FrameKind.ERROR:
+                await channel.recv_bytes(header)
+                raise TransferFailed(f"the peer {channel.peer} broke off the transfer.")
+            seq = header.sequence
+            if header.kind is not FrameKind.BLOCK or seq not in slots or header.key != hashes[seq]:
+                raise CorruptBlock(f"a frame from {channel.peer} does not belong to this transfer (block #{seq}).")
+            into = buffer_of(slots[seq])
+            if header.length != len(into):
+                await channel.discard_payload(header)
+                self.node.metrics.dropped("length")
+                continue
+            try:
+                await recv_block_into(channel, header, into)
+            except CorruptBlock as exc:
+                logger.warning("dropped a block from %s: %s", channel.peer, exc)
+                self.node.metrics.dropped("checksum")
+                continue
+            verified.add(seq)
+
+    async def expect_end(self, channel: Channel) -> dict:
+        return await recv_message(channel, FrameKind.END)
+
+    def next_transfer_id(self) -> int:
+        return next(self._transfer_ids)
+
+    async def resolve(self, destination: str) -> str:
+        """A transport address for a node id (through the index) or an address."""
+        if "://" in destination:
+            return destination
+        try:
+            nodes = await self.index.nodes()
+        except KVStoreError as exc:
+            raise TierUnavailable(f"cannot resolve node {destination!r}: the index is unreachable ({exc}).") from exc
+        for info in nodes:
+            if info.node_id == destination and info.transport_address:
+                return info.transport_address
+        raise NotFound(f"no live node {destination!r} with a transport address is in the index.")
+
+    # -- remote fetch ---------------------------------------------------------------------------
+    async def fetch_missing(self, digest: bytes, hashes: Sequence[BlockHash], deadline_s: float, source: str | None = None) -> int:
+        """Bring the blocks of ``hashes`` this node misses from the peer holding the most
+        of them (or ``source``); returns the length of the locally cached prefix after."""
+        started = time.monotonic()
+        have = len(self.manager.lookup(digest, hashes))
+        if have == len(hashes):
+            return have
+        if source is None:
+            source, upto = await self._best_source(digest, hashes, have)
+        else:
+            upto = len(hashes)
+        if source is None:
+            return have
+        remaining = deadline_s - (time.monotonic() - started)
+        if remaining > 0:
+            parent = hashes[have - 1] if have else None
+            try:
+                await self.fetch_from(source, digest, hashes[have:upto], parent, remaining)
+            except KVStoreError as exc:
+                logger.info("remote fetch from %s failed: %s", source, exc)
+        return len(self.manager.lookup(digest, hashes))
+
+    async def _best_source(self, digest: bytes, hashes: Sequence[BlockHash], have: int) -> tuple[str | None, int]:
+        try:
+            matches = await self.index.match(digest, hashes)
+            nodes = {n.node_id: n for n in await self.index.nodes()}
+        except KVStoreError as exc:
+            logger.info("remote fetch skipped, the index is unreachable: %s", exc)
+            return None, have
+        for match in matches:  # best first
+            info = nodes.get(match.node_id)
+            if match.node_id != self.node.node_id and match.num_blocks > have and info is not None and info.transport_address:
+                return info.transport_address, match.num_blocks
+        return None, have
+
+    async def fetch_from(self, address: str, digest: bytes, hashes: Sequence[BlockHash], parent: BlockHash | None, deadline_s: float) -> int:
+        """Fetch a chain segment from ``address`` into reserved local slots; returns how
+        many blocks were stored (the verified prefix that arrived before the deadline)."""
+        reservation = self.manager.reserve(digest, hashes, parent)
+        if not reservation.blocks:
+            self.manager.abort(reservation.id)
+            return 0
+        wanted = [b.block_hash for b in reservation.blocks]
+        slots = dict(enumerate(self.manager.reservation_slots(reservation)))
+        transfer_id = self.next_transfer_id()
+        verified: set[int] = set()
+        channel = None
+        try:
+            channel = await asyncio.wait_for(self.pool.checkout(address), deadline_s)
+            async with asyncio.timeout(deadline_s):
+                reply = await request(channel, transfer_id, {"op": "fetch", "namespace": digest, "hashes": pack_hashes(wanted)})
+                count = int(reply["count"])
+                if count > len(wanted):
+                    raise CorruptBlock(f"the peer {address} offered {count} blocks of the {len(wanted)} asked for.")
+                await self.receive_blocks(channel, slots, wanted, count, verified)
+                await self.expect_end(channel)
+            self.pool.checkin(address, channel)
+        except (TimeoutError, asyncio.TimeoutError):
+            logger.info("remote fetch from %s: %d of %d blocks arrived before the %.3fs deadline", address, len(verified), len(wanted), deadline_s)
+            if channel is not None:
+                await self.pool.discard(channel)
+        except BaseException:
+            if channel is not None:
+                await self.pool.discard(channel)
+            self.manager.abort(reservation.id)
+            raise
+        stored = self.manager.commit(reservation.id, leading(range(len(wanted)), verified))
+        self.node.metrics.transferred("in", "fetch", stored, stored * reservation.nbytes)
+        return stored
+
+    # -- store (drain, warm-up) -------------------------------------------------------------
+    async def push_chain(self, address: str, namespace: Namespace, hashes: Sequence[BlockHash], parent: BlockHash | None) -> int:
+        """Copy cached blocks of a chain into the peer's tiers; returns how many it stored."""
+        digest = namespace.digest
+        lease = self.manager.acquire(digest, hashes, TierKind.HOST)
+        try:
+            leased = [b.block_hash for b in lease.blocks]
+            if not leased:
+                return 0
+            views = self.manager.lease_views(lease)
+            transfer_id = self.next_transfer_id()
+            async with self.pool.channel(address) as channel:
+                message = {"op": "store", "namespace": namespace_to_wire(namespace), "hashes": pack_hashes(leased), "parent": parent}
+                accepted = (await request(channel, transfer_id, message))["accepted"]
+                if any(not isinstance(seq, int) or not 0 <= seq < len(leased) for seq in accepted):
+                    raise CorruptBlock(f"the peer {address} accepted blocks it was not offered.")
+                blocks = [(seq, leased[seq], buffer_of(views[seq])) for seq in accepted]
+                await send_blocks(channel, transfer_id, digest, blocks, self.config.window_blocks)
+                await send_control(channel, transfer_id, {}, FrameKind.END)
+                stored = int((await self.expect_end(channel))["stored"])
+        finally:
+            self.manager.release(lease.id)
+        self.node.metrics.transferred("out", "store", len(accepted), len(accepted) * lease.nbytes)
+        return stored
+
+    async def capacity(self, address: str) -> int:
+        async with self.pool.channel(address) as channel:
+            return int((await request(channel, self.next_transfer_id(), {"op": "capacity"}))["free_bytes"])
+
+    async def hot_chains(self, address: str, max_bytes: int) -> list[tuple[Namespace, BlockHash | None, list[BlockHash]]]:
+        async with self.pool.channel(address) as channel:
+            reply = await request(channel, self.next_transfer_id(), {"op": "hot", "max_bytes": max_bytes})
+        return [(namespace_from_wire(ns), parent, unpack_hashes(blob)) for ns, parent, blob in reply["chains"]]
+
+    # -- handoff, producer side ------------------------------------------------------------------
+    async def handoff_send(
+        self, session: int, digest: bytes, hashes: Sequence[BlockHash], parent: BlockHash | None, transfer_id: str, destination: str
+    ) -> OutgoingHandoff:
+        namespace = self.node.namespace(digest)
+        address = await self.resolve(destination)
+        handoff = self.handoffs.open_outgoing(session, transfer_id, digest, hashes, parent, namespace.layout, address)
+        channel = None
+        try:
+            channel = await self.pool.checkout(address)
+            message = {
+                "op": "handoff", "transfer": transfer_id, "namespace": namespace_to_wire(namespace),
+                "hashes": pack_hashes(list(hashes)), "parent": parent,
+            }  # fmt: skip
+            reply = await asyncio.wait_for(request(channel, handoff.wire_id, message), self.config.connect_timeout_s)
+            if reply.get("accepted") != len(hashes):
+                raise TransferFailed(f"the peer {address} accepted {reply.get('accepted')} of {len(hashes)} blocks of handoff {transfer_id!r}.")
+        except BaseException as exc:
+            if channel is not None:
+                await self.pool.discard(channel)
+            self.handoffs.close_outgoing(handoff)
+            if isinstance(exc, asyncio.TimeoutError):
+                raise TransferFailed(f"the peer {address} did not answer handoff {transfer_id!r} in time.") from exc
+            raise
+        handoff.task = asyncio.get_running_loop().create_task(self._send_layers(handoff, channel))
+        return handoff
+
+    async def _send_layers(self, handoff: OutgoingHandoff, channel: Channel) -> None:
+        try:
+            while handoff.layers_sent < handoff.num_layers:
+                first, count = await handoff.pending.get()
+                payloads = handoff.layer_payloads(first, count)
+                await send_blocks(channel, handoff.wire_id, handoff.digest, payloads, self.config.window_blocks, first, count)
+                handoff.layers_sent += count
+                self.node.metrics.transferred("out", "handoff", 0, sum(len(p) for _, _, p in payloads))
+            await send_control(channel, handoff.wire_id, {}, FrameKind.END)
+            reply = await self.expect_end(channel)
+            handoff.complete(int(reply["stored"]))
+            self.node.metrics.transferred("out", "handoff", len(handoff.hashes), 0)
+            self.pool.checkin(handoff.destination, channel)
+        except asyncio.CancelledError:
+            await self.pool.discard(channel)  # the consumer sees the stream end and fails its side
+            raise
+        except KVStoreError as exc:
+            handoff.fail(str(exc))
+            await self.pool.discard(channel)
+
+    def handoff_layers_ready(self, session: int, transfer_id: str, first_layer: int, num_layers: int) -> None:
+        self.handoffs.outgoing_for(session, transfer_id).mark_ready(first_layer, num_layers)
+
+    async def handoff_finish(self, session: int, transfer_id: str, timeout_s: float) -> int:
+        """Wait until the consumer's daemon holds every layer; store the blocks here too."""
+        handoff = self.handoffs.outgoing_for(session, transfer_id)
+        if handoff.layers_ready != handoff.num_layers:
+            raise InvalidArgument(
+                f"handoff {transfer_id!r} cannot finish: layers {handoff.layers_ready}…{handoff.num_layers - 1} were never handed over."
+            )
+        try:
+            deadline = time.monotonic() + timeout_s
+            while handoff.state is HandoffState.OPEN:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransferFailed(f"handoff {transfer_id!r} to {handoff.destination} did not finish within {timeout_s}s.")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(handoff.changed.wait(), remaining)
+            handoff.raise_if_failed()
+            with contextlib.suppress(KVStoreError):  # caching it here too is a bonus, not the handoff
+                self.manager.put(handoff.digest, handoff.hashes, handoff.views, handoff.parent)
+            return handoff.num_stored_remote
+        finally:
+            self.handoffs.close_outgoing(handoff)
+
+    def handoff_cancel(self, session: int, transfer_id: str) -> None:
+        self.handoffs.close_outgoing(self.handoffs.outgoing_for(session, transfer_id))
+
+    # -- handoff, consumer side ---------------------------------------------------------------
+    async def handoff_receive(self, session: int, digest: bytes, transfer_id: str, timeout_s: float) -> IncomingHandoff:
+        return await self.handoffs.attach(session, digest, transfer_id, timeout_s)
+
+    async def handoff_wait(self, session: int, transfer_id: str, stop_layer: int, timeout_s: float) -> int:
+        handoff = self.handoffs.incoming_for(session, transfer_id)
+        if not 0 <= stop_layer <= handoff.num_layers:
+            raise InvalidArgument(f"handoff {transfer_id!r} has {handoff.num_layers} layers; cannot wait for {stop_layer}.")
+        await handoff.wait_layers(stop_layer, timeout_s)
+        return handoff.ready_layers
+
+    def handoff_close(self, session: int, transfer_id: str) -> None:
+        self.handoffs.incoming_for(session, transfer_id)
+        self.handoffs.detach(session, transfer_id)
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def close_session(self, session: int) -> None:
+        self.handoffs.close_session(session)
+
+    def housekeeping(self) -> None:
+        self.handoffs.expire()
+
+

@@ -1,0 +1,80 @@
+"""What the network transports share: the channels a transport owns, the tasks that
+serve accepted ones, and how addresses and payload buffers are read.
+
+A transport owns every channel it opened or accepted, so that ``Transport.close`` can end
+them all (a channel leaves the registry when it closes: its ``close`` calls ``forget``);
+an accepted channel is served by the listener's handler in a task of its own
+and closed when that handler returns (the handler owns the channel for its lifetime).
+All of it runs on the event loop's thread: the registry has no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.transport.base import Buffer, Channel, ChannelHandler
+
+__all__ = ["ChannelRegistry", "address_of", "byte_view"]
+
+logger = logging.getLogger(__name__)
+
+CLOSE_GRACE_S = 1.0  # how long handlers woken by a closing transport get to finish
+
+
+def address_of(scheme: str, host: str, port: int) -> str:
+    """The URL peers connect to; an IPv6 host is bracketed (``split_address`` strips them)."""
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def byte_view(buffer: Buffer) -> memoryview:
+    """``buffer`` as flat bytes without a copy (a tensor's memoryview may be typed or shaped)."""
+    view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise InvalidArgument("a transport payload must be one contiguous buffer.")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class ChannelRegistry:
+    """The live channels of one transport and the handler tasks serving accepted ones."""
+
+    def __init__(self) -> None:
+        self._channels: set[Channel] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    def adopt(self, channel: Channel) -> Channel:
+        self._channels.add(channel)
+        return channel
+
+    def forget(self, channel: Channel) -> None:
+        self._channels.discard(channel)
+
+    def serve(self, channel: Channel, on_channel: ChannelHandler) -> None:
+        """Run ``on_channel(channel)`` in a task; close the channel when it returns."""
+        self.adopt(channel)
+        task = asyncio.get_running_loop().create_task(self._serve(channel, on_channel))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, channel: Channel, on_channel: ChannelHandler) -> None:
+        try:
+            await on_channel(channel)
+        except KVStoreError as exc:
+            logger.info("the channel from %s ended: %s", channel.peer, exc)
+        except Exception:
+            logger.exception("the handler of the channel from %s failed", channel.peer)
+        finally:
+            await channel.close()
+
+    async def close(self) -> None:
+        """Close every channel, which wakes their handlers with TransferFailed; cancel the
+        handlers that have not ended within CLOSE_GRACE_S of that."""
+        for channel in list(self._channels):
+            await channel.close()
+        if not self._tasks:
+            return
+        _, running = await asyncio.wait(list(self._tasks), timeout=CLOSE_GRACE_S)
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)

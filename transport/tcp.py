@@ -1,0 +1,257 @@
+"""TCP transport: asyncio over raw non-blocking sockets, without staging copies.
+
+A frame goes out as one gathered ``sendmsg`` of its header and its payload (``send_many``
+gathers many frames into each call, so a window of blocks costs a few system calls and
+never a concatenation of payloads); a payload comes in by ``recv_into`` straight into the
+caller's buffer, which is the destination slot.
+
+Readiness waits are this module's own (``add_reader`` / ``add_writer`` futures) rather
+than ``loop.sock_recv_into``: closing a socket does not wake a task parked in the loop's
+``sock_*`` calls, and ``close`` must wake a blocked receiver. A channel whose stream may
+be out of step (a corrupt header, a receive or send cancelled halfway through a frame)
+is marked broken: every later call fails rather than read a payload as a header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from typing import Callable, Sequence
+
+from kvstore.errors import CorruptBlock, InvalidArgument, TransferFailed
+from kvstore.transport.base import Buffer, Channel, ChannelHandler, Transport, split_address
+from kvstore.transport.config import TransportConfig
+from kvstore.transport.serving import ChannelRegistry, address_of, byte_view
+from kvstore.transport.wire import HEADER_BYTES, FrameHeader
+
+__all__ = ["TcpTransport"]
+
+logger = logging.getLogger(__name__)
+
+# Deep socket buffers keep a window of multi-MiB blocks in flight without waiting for the
+# receiver to be scheduled (the kernel caps the request at net.core.[rw]mem_max).
+SOCKET_BUFFER_BYTES = 4 << 20
+IOV_MAX = os.sysconf("SC_IOV_MAX")
+LISTEN_BACKLOG = 128
+
+
+def tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+
+
+class _TcpChannel(Channel):
+    def __init__(self, sock: socket.socket, peer: str, frames_per_write: int, forget: Callable[[Channel], None]) -> None:
+        self._sock, self.peer, self._forget = sock, peer, forget
+        self._frames_per_write = min(frames_per_write, IOV_MAX // 2)
+        self._loop = asyncio.get_running_loop()
+        self._waiters: set[asyncio.Future] = set()  # readiness waits that close must wake
+        self._header = bytearray(HEADER_BYTES)
+        self._pending_length: int | None = None  # the payload length recv_payload must read next
+        self._broken = ""  # why the stream can no longer be trusted
+        self._closed = False
+
+    # -- sending ---------------------------------------------------------------------
+    async def send(self, header: FrameHeader, payload: Buffer = b"") -> None:
+        await self.send_many([(header, payload)])
+
+    async def send_many(self, frames: Sequence[tuple[FrameHeader, Buffer]]) -> None:
+        """Gathered writes of up to ``transport.window_blocks`` frames each."""
+        for start in range(0, len(frames), self._frames_per_write):
+            views: list[memoryview] = []
+            for header, payload in frames[start : start + self._frames_per_write]:
+                payload_view = byte_view(payload)
+                if payload_view.nbytes != header.length:
+                    raise InvalidArgument(f"a frame announced {header.length} bytes with a {payload_view.nbytes}-byte payload.")
+                views.append(memoryview(header.pack()))
+                if header.length:
+                    views.append(payload_view)
+            await self._write(views)
+
+    async def _write(self, views: list[memoryview]) -> None:
+        self._check_usable()
+        index, progressed = 0, False
+        try:
+            while index < len(views):
+                try:
+                    sent = self._sock.sendmsg(views[index:])
+                except (BlockingIOError, InterruptedError):
+                    await self._ready(self._loop.add_writer, self._loop.remove_writer)
+                    continue
+                except OSError as exc:
+                    raise self._failure(exc) from exc
+                progressed = True
+                while sent:
+                    if sent >= views[index].nbytes:
+                        sent -= views[index].nbytes
+                        index += 1
+                    else:
+                        views[index], sent = views[index][sent:], 0
+        except BaseException:
+            if progressed and index < len(views):
+                self._broken = self._broken or "a send stopped in the middle of a frame"
+            raise
+
+    # -- receiving -------------------------------------------------------------------
+    async def recv_header(self) -> FrameHeader:
+        if self._pending_length:
+            raise InvalidArgument("recv_header was called before the previous frame's payload was received.")
+        await self._read_exactly(memoryview(self._header), "frame header", at_boundary=True)
+        try:
+            header = FrameHeader.unpack(self._header)
+        except CorruptBlock:
+            self._broken = "a frame header failed its checks"
+            raise
+        self._pending_length = header.length
+        return header
+
+    async def recv_payload(self, into: memoryview) -> None:
+        view = byte_view(into)
+        if self._pending_length is None or view.nbytes != self._pending_length:
+            raise InvalidArgument("recv_payload must follow recv_header with a buffer of the announced length.")
+        if view.nbytes:
+            await self._read_exactly(view, f"{view.nbytes}-byte payload", at_boundary=False)
+        self._pending_length = None
+
+    async def _read_exactly(self, view: memoryview, what: str, at_boundary: bool) -> None:
+        """Fill ``view``; ``at_boundary``: nothing of the frame was read before this."""
+        self._check_usable()
+        got, total = 0, view.nbytes
+        try:
+            while got < total:
+                try:
+                    count = self._sock.recv_into(view[got:])
+                except (BlockingIOError, InterruptedError):
+                    await self._ready(self._loop.add_reader, self._loop.remove_reader)
+                    continue
+                except OSError as exc:
+                    raise self._failure(exc) from exc
+                if count == 0:
+                    self._broken = "the peer closed the connection"
+                    if got == 0 and at_boundary:
+                        raise TransferFailed(f"the peer {self.peer} closed the channel.")
+                    raise TransferFailed(f"the peer {self.peer} closed the connection {got} bytes into a {what}; the frame was dropped.")
+                got += count
+        except BaseException:
+            if got < total and (got or not at_boundary):
+                self._broken = self._broken or "a receive stopped in the middle of a frame"
+            raise
+
+    # -- plumbing --------------------------------------------------------------------
+    async def _ready(self, watch: Callable, unwatch: Callable) -> None:
+        waiter = self._loop.create_future()
+        watch(self._sock, _wake, waiter)
+        self._waiters.add(waiter)
+        try:
+            await waiter
+        finally:
+            self._waiters.discard(waiter)
+            if not self._closed:
+                unwatch(self._sock)
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise TransferFailed(f"the channel to {self.peer} is closed.")
+        if self._broken:
+            raise TransferFailed(f"the channel to {self.peer} is out of step ({self._broken}); open a new one.")
+
+    def _failure(self, exc: OSError) -> TransferFailed:
+        self._broken = self._broken or "the connection broke"
+        return TransferFailed(f"the connection to {self.peer} broke: {exc.strerror or exc}.")
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._forget(self)
+        self._loop.remove_reader(self._sock)
+        self._loop.remove_writer(self._sock)
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_exception(TransferFailed(f"the channel to {self.peer} was closed."))
+        self._sock.close()
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class TcpTransport(Transport):
+    """Channels over TCP connections; one listening socket per transport."""
+
+    scheme = "tcp"
+
+    def __init__(self, config: TransportConfig) -> None:
+        self._config = config
+        self._registry = ChannelRegistry()
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+
+    async def listen(self, host: str, port: int, on_channel: ChannelHandler) -> str:
+        if self._listener is not None:
+            raise InvalidArgument("this TCP transport is already listening.")
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.setblocking(False)
+            listener.bind((host, port))
+            listener.listen(LISTEN_BACKLOG)
+        except OSError as exc:
+            listener.close()
+            raise InvalidArgument(f"cannot listen for peers on {host}:{port}: {exc.strerror or exc}; set transport.host / transport.port.") from exc
+        self._listener = listener
+        self._accepting = asyncio.get_running_loop().create_task(self._accept(listener, on_channel))
+        return address_of(self.scheme, host, listener.getsockname()[1])
+
+    async def _accept(self, listener: socket.socket, on_channel: ChannelHandler) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, remote = await loop.sock_accept(listener)
+            except OSError as exc:
+                # out of descriptors, or a connection reset before it was accepted: the
+                # listener itself is fine, so try again shortly
+                logger.warning("accepting a peer connection failed: %s", exc)
+                await asyncio.sleep(0.05)
+                continue
+            tune(conn)
+            channel = _TcpChannel(conn, address_of(self.scheme, remote[0], remote[1]), self._config.window_blocks, self._registry.forget)
+            self._registry.serve(channel, on_channel)
+
+    async def connect(self, address: str, timeout_s: float = 5.0) -> Channel:
+        host, port = split_address(address, self.scheme)
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout_s)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise TransferFailed(f"cannot resolve the peer address {address}: {exc}.") from exc
+        family, _, _, _, sockaddr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            tune(sock)
+            await asyncio.wait_for(loop.sock_connect(sock, sockaddr), timeout_s)
+        except asyncio.TimeoutError as exc:
+            sock.close()
+            raise TransferFailed(f"connecting to {address} timed out after {timeout_s:g} s.") from exc
+        except OSError as exc:
+            sock.close()
+            raise TransferFailed(f"cannot connect to {address}: {exc.strerror or exc}.") from exc
+        except BaseException:
+            sock.close()
+            raise
+        return self._registry.adopt(_TcpChannel(sock, address, self._config.window_blocks, self._registry.forget))
+
+    async def close(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
+            self._accepting = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        await self._registry.close()

@@ -10,11 +10,11 @@ connector the plan names, serving the plan's requests one after another. The pla
      "connector": null | {"name": "KVStoreConnector" | "ExampleConnector",
                           "module": "kvstore.connectors.vllm" | null, "role": "kv_both",
                           "extra": {...}},
-     "requests": [{"prompt": [token ids], "max_tokens": 16}, ...]}
+     "requests": [{"prompt": [token ids], "max_tokens": 16, "kv_transfer_params": {...}}, ...]}
 
 The report written to REPORT.json is ``{"startup_s", "results": [{"tokens",
-"num_cached_tokens", "seconds"}], "connector": {counters} | null}``; ``seconds`` is the
-wall time of the request alone, its TTFT when ``max_tokens`` is 1.
+"num_cached_tokens", "kv_transfer_params", "seconds"}], "connector": {counters} | null}``;
+``seconds`` is the wall time of the request alone, its TTFT when ``max_tokens`` is 1.
 """
 
 from __future__ import annotations
@@ -118,12 +118,15 @@ def run(plan: dict) -> dict:
     startup_s = time.perf_counter() - started
     results = []
     for request in plan["requests"]:
-        params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 16), ignore_eos=True)
+        transfer = request.get("kv_transfer_params")
+        params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 16), ignore_eos=True,
+                                extra_args={"kv_transfer_params": transfer} if transfer else None)
         began = time.perf_counter()
         output = llm.generate([TokensPrompt(prompt_token_ids=request["prompt"])], params, use_tqdm=False)[0]
         results.append({
             "tokens": list(output.outputs[0].token_ids),
             "num_cached_tokens": output.num_cached_tokens,
+            "kv_transfer_params": output.kv_transfer_params,
             "seconds": time.perf_counter() - began,
         })
     return {"startup_s": startup_s, "results": results, "connector": _connector_counters(llm)}

@@ -10,12 +10,22 @@ Load it with::
         kv_connector_extra_config={"socket_path": "/run/kvstore/kvstore.sock", "tenant_salt": ""},
     )
 
+(a prefill instance also sets ``"handoff_destination"``: the decode daemon's node id or
+transport address, unless each request names it in ``kvstore_destination``).
+
 ``kv_both`` offloads every full prompt block to the local daemon as the forward pass
 writes it and, for a new request, loads the longest prefix the daemon holds beyond
-vLLM's own prefix-cache hit, layer by layer. The scheduler half (``vllm_scheduler``)
-decides what each step loads and saves; the worker half (``vllm_worker``) moves the
-bytes; ``vllm_compat`` holds everything tied to one vLLM version. This class only routes
-vLLM's calls to the half that runs in its process.
+vLLM's own prefix-cache hit, layer by layer. ``kv_producer`` / ``kv_consumer`` add
+prefill/decode disaggregation through the daemons' handoff (``vllm_handoff``): a
+request the proxy marks ``do_remote_decode`` streams its prompt's KV, layer by layer, to
+the decode instance's daemon, and the decode instance loads it asynchronously when the
+same request arrives there marked ``do_remote_prefill`` with the ``kvstore_transfer_id``
+that ``request_finished`` returned on the prefill instance.
+
+The scheduler half (``vllm_scheduler``) decides what each step loads, saves and hands
+off; the worker half (``vllm_worker``) moves the bytes; ``vllm_compat`` holds everything
+tied to one vLLM version. This class only routes vLLM's calls to the half that runs in
+its process.
 
 A block that cannot be loaded after all is reported through
 ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy="recompute"`` vLLM
@@ -47,7 +57,7 @@ if TYPE_CHECKING:
 __all__ = ["KVStoreConnector"]
 
 logger = connector_logger(__name__)
-_ROLES = ("kv_both",)
+_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
 
 class KVStoreConnector(KVConnectorBase_V1):
@@ -65,13 +75,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(settings, geometry, saves=True)
+            self._scheduler = SchedulerSide(settings, geometry, transfer.kv_role)
         else:
             self._worker = WorkerSide(settings, geometry, vllm_config)
 
     # -- scheduler side --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens), False
+        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler.after_alloc(request, blocks, num_external_tokens)
@@ -84,8 +94,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self._scheduler.build_metadata(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler.finished(request)
-        return False, None
+        # a handed-off request's bytes are in kvstore's slots by the end of its last
+        # step, so its blocks are freed at once
+        return False, self._scheduler.finished(request)
 
     # -- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -102,6 +113,9 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         self._worker.finish_step()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self._worker.finished_receiving()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()

@@ -46,6 +46,7 @@ __all__ = [
     "scheduled_requests",
     "first_group_block_ids",
     "prompt_token_ids",
+    "transfer_params",
     "cache_hit_sources",
 ]
 
@@ -165,17 +166,23 @@ def prompt_token_ids(request: Any) -> list[int]:
     return list(request.prompt_token_ids or ())
 
 
+def transfer_params(request: Any) -> dict | None:
+    """The request's ``kv_transfer_params`` (a PD proxy's instructions), if any."""
+    return request.kv_transfer_params
+
+
 def cache_hit_sources(hit_tiers: tuple[TierKind, ...], num_external_tokens: int, block_size: int) -> dict:
     """vLLM's per-source split of an external hit (the first blocks of ``hit_tiers``):
-    host memory or disk, by the tier each block was found in."""
+    host memory, disk or a peer, by the tier each block comes from."""
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+    sources = {TierKind.NVME: CacheHitSource.DISK, TierKind.REMOTE: CacheHitSource.P2P}
     counts: dict = {}
     remaining = num_external_tokens
     for tier in hit_tiers:
         if remaining <= 0:
             break
-        source = CacheHitSource.DISK if tier is TierKind.NVME else CacheHitSource.HOST
+        source = sources.get(tier, CacheHitSource.HOST)
         counts[source] = counts.get(source, 0) + min(block_size, remaining)
         remaining -= block_size
     return counts

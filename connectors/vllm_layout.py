@@ -130,6 +130,10 @@ class LayerCopier:
         self._dtype = dtype
         self._orders = orders  # per layer
 
+    @property
+    def block_bytes(self) -> int:
+        return self._layout.block_bytes
+
     def _slot_rows(self, run: BlockRun, layer: int) -> torch.Tensor:
         """The run's slots, layer ``layer`` only: (count × layer elements), rows a slot apart."""
         offset, length = self._layout.layer_slice(layer)

@@ -3,7 +3,9 @@
 - ``ConnectorSettings``: ``kv_connector_extra_config`` validated once;
 - ``namespace_for``: the kvstore namespace of one tensor-parallel rank of this engine;
 - ``KVStoreConnectorMetadata``: the scheduler's per-step instructions to the workers —
-  which blocks to load into which engine blocks, which to save.
+  which blocks to load into which engine blocks (from the store, or from a prefill
+  instance's handoff), which to save, which to hand off to a decode instance;
+- the ``kv_transfer_params`` keys a PD proxy passes with a request.
 
 Metadata crosses vLLM's own scheduler→worker channel, so it holds only plain values.
 """
@@ -22,7 +24,20 @@ from kvstore.paths import default_socket_path
 
 _DEFAULT_HANDOFF_TIMEOUT_S = 60.0
 
-__all__ = ["ConnectorSettings", "namespace_for", "LoadSpec", "SaveSpec", "KVStoreConnectorMetadata"]
+__all__ = [
+    "ConnectorSettings",
+    "namespace_for",
+    "LoadSpec",
+    "SaveSpec",
+    "HandoffSpec",
+    "KVStoreConnectorMetadata",
+    "TRANSFER_ID",
+    "DESTINATION",
+]
+
+# kv_transfer_params keys (next to vLLM's own do_remote_decode / do_remote_prefill)
+TRANSFER_ID = "kvstore_transfer_id"  # names the handoff on both instances
+DESTINATION = "kvstore_destination"  # the decode daemon: node id or transport address
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,11 +45,12 @@ class ConnectorSettings:
     socket_path: str  # the local daemon's Unix socket
     tenant_salt: str = ""  # tenants with different salts never share blocks
     model_id: str = ""  # overrides the model path in the namespace (same weights, other paths)
-    handoff_timeout_s: float = _DEFAULT_HANDOFF_TIMEOUT_S  # PD: how long a decode instance waits for a prefill's KV
+    handoff_timeout_s: float = _DEFAULT_HANDOFF_TIMEOUT_S  # PD: how long either side waits for the other
+    handoff_destination: str = ""  # PD producer: the decode daemon, unless a request names one
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> "ConnectorSettings":
-        known = {"socket_path", "tenant_salt", "model_id", "handoff_timeout_s"}
+        known = {"socket_path", "tenant_salt", "model_id", "handoff_timeout_s", "handoff_destination"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise InvalidArgument(
@@ -44,7 +60,7 @@ class ConnectorSettings:
         timeout = extra.get("handoff_timeout_s", _DEFAULT_HANDOFF_TIMEOUT_S)
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise InvalidArgument(f"handoff_timeout_s must be a positive number of seconds, got {timeout!r}.")
-        for key in ("socket_path", "tenant_salt", "model_id"):
+        for key in ("socket_path", "tenant_salt", "model_id", "handoff_destination"):
             if not isinstance(extra.get(key, ""), str):
                 raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be a string.")
         return cls(
@@ -52,6 +68,7 @@ class ConnectorSettings:
             tenant_salt=extra.get("tenant_salt", ""),
             model_id=extra.get("model_id", ""),
             handoff_timeout_s=float(timeout),
+            handoff_destination=extra.get("handoff_destination", ""),
         )
 
 
@@ -70,11 +87,15 @@ def namespace_for(geometry: EngineGeometry, tp_rank: int, tenant_salt: str) -> N
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
-    """Copy the stored blocks ``hashes`` into the engine blocks ``block_ids`` (same order)."""
+    """Copy the blocks ``hashes`` into the engine blocks ``block_ids`` (same order): from
+    the store, or — with a ``transfer_id`` — from that handoff, whose block
+    ``first_block`` is ``hashes[0]``."""
 
     req_id: str
     hashes: tuple[BlockHash, ...]
     block_ids: tuple[int, ...]
+    transfer_id: str | None = None
+    first_block: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +109,20 @@ class SaveSpec:
     parent_hash: BlockHash | None
 
 
+@dataclass(frozen=True, slots=True)
+class HandoffSpec:
+    """Hand the engine blocks ``block_ids`` (the prompt's full blocks, complete once
+    this step's forward pass ran) to ``destination`` as they are written."""
+
+    req_id: str
+    transfer_id: str
+    destination: str
+    hashes: tuple[BlockHash, ...]
+    block_ids: tuple[int, ...]
+
+
 @dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    handoffs: list[HandoffSpec] = field(default_factory=list)

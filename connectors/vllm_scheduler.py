@@ -11,11 +11,21 @@ own GPU cache are not loadable here and end the hit. What could still fail betwe
 lookup and the load (eviction, a block failing its checksum) is reported by the worker
 and recomputed, never served.
 
+Prefill/decode disaggregation (``kv_producer`` / ``kv_consumer``), with a proxy passing
+vLLM's ``kv_transfer_params``: on the prefill instance a request marked
+``do_remote_decode`` hands its full prompt blocks to the decode daemon
+(``kvstore_destination``, or the configured ``handoff_destination``) in the step that
+completes its prompt, and ``request_finished`` returns the transfer's parameters for
+the decode request; on the decode instance a request marked ``do_remote_prefill`` with a
+``kvstore_transfer_id`` is loaded asynchronously from that handoff. Requests without
+these marks are served as ``kv_both`` on either instance.
+
 Owner: vLLM's scheduler thread; nothing here is shared with other threads.
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +37,18 @@ from kvstore.connectors.vllm_compat import (
     first_group_block_ids,
     prompt_token_ids,
     scheduled_requests,
+    transfer_params,
 )
-from kvstore.connectors.vllm_meta import ConnectorSettings, KVStoreConnectorMetadata, LoadSpec, SaveSpec, namespace_for
+from kvstore.connectors.vllm_meta import (
+    DESTINATION,
+    TRANSFER_ID,
+    ConnectorSettings,
+    HandoffSpec,
+    KVStoreConnectorMetadata,
+    LoadSpec,
+    SaveSpec,
+    namespace_for,
+)
 from kvstore.errors import KVStoreError
 from kvstore.hashing import BlockHash, chain_hashes
 from kvstore.tiers.base import TierKind
@@ -45,6 +65,8 @@ class SchedulerCounters:
     lookup_failures: int = 0  # daemon unreachable or refusing: counted as misses
     external_hit_tokens: int = 0  # tokens promised to vLLM (loaded, or recomputed on failure)
     saved_blocks_planned: int = 0
+    handoffs_sent: int = 0
+    handoffs_received: int = 0
 
 
 @dataclass
@@ -54,12 +76,16 @@ class _Request:
     block_ids: list[int]
     first_hit_block: int = 0  # where the last lookup started (vLLM's local hit)
     hit_tiers: tuple[TierKind, ...] = ()  # tier of each block of the last lookup's hit
+    params: dict | None = None  # the request's kv_transfer_params
+    handoff: HandoffSpec | None = None  # PD producer: the handoff opened for it
+    handoff_tried: bool = False  # PD consumer: once only; a retry (failure, preemption) uses the store
 
 
 class SchedulerSide:
-    def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry, saves: bool) -> None:
+    def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry, role: str) -> None:
         self._block_size = geometry.block_size
-        self._saves = saves
+        self._settings = settings
+        self._role = role
         self._client = KVStoreClient(settings.socket_path)
         self._digests = [
             self._client.register_namespace(namespace_for(geometry, rank, settings.tenant_salt))
@@ -70,18 +96,25 @@ class SchedulerSide:
         self.counters = SchedulerCounters()
 
     # -- admission -------------------------------------------------------------------------
-    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` (vLLM's block-aligned local hit) that
-        kvstore holds, in whole blocks — except that vLLM must compute at least one
-        token, so a hit covering the whole prompt stops one token short (the last block
-        is still loaded whole; the recomputed token's KV lands in its own slot)."""
-        state = self._state(request.request_id, prompt_token_ids(request))
+        kvstore will supply, and whether they arrive asynchronously (a handoff).
+
+        Whole blocks — except that vLLM must compute at least one token, so a hit
+        covering the whole prompt stops one token short (the last block is still loaded
+        whole; the recomputed token's KV lands in its own slot)."""
+        state = self._state(request.request_id, prompt_token_ids(request), transfer_params(request))
         first = num_computed_tokens // self._block_size
         num_full = len(state.prompt) // self._block_size
         state.first_hit_block = first
-        state.hit_tiers = self._loadable_prefix(state.hashes[first:num_full]) if num_full > first else ()
+        receiving = self._receives_handoff(state)
+        if receiving:
+            state.hit_tiers = (TierKind.REMOTE,) * max(0, num_full - first)
+        else:
+            state.hit_tiers = self._loadable_prefix(state.hashes[first:num_full]) if num_full > first else ()
         hit_end = min((first + len(state.hit_tiers)) * self._block_size, len(state.prompt) - 1)
-        return max(0, hit_end - first * self._block_size)
+        num_tokens = max(0, hit_end - first * self._block_size)
+        return num_tokens, receiving and num_tokens > 0
 
     def hit_tiers(self, req_id: str) -> tuple[TierKind, ...]:
         state = self._requests.get(req_id)
@@ -94,35 +127,60 @@ class SchedulerSide:
         block_ids = first_group_block_ids(blocks.get_block_ids())
         first = state.first_hit_block
         stop = first + -(-num_external_tokens // self._block_size)
-        self._loads.append(LoadSpec(request.request_id, tuple(state.hashes[first:stop]), tuple(block_ids[first:stop])))
+        hashes, targets = tuple(state.hashes[first:stop]), tuple(block_ids[first:stop])
+        if self._receives_handoff(state):
+            state.handoff_tried = True
+            self._loads.append(LoadSpec(request.request_id, hashes, targets, state.params[TRANSFER_ID], first))
+            self.counters.handoffs_received += 1
+            source = f"handoff {state.params[TRANSFER_ID]!r}"
+        else:
+            self._loads.append(LoadSpec(request.request_id, hashes, targets))
+            source = "kvstore"
         self.counters.external_hit_tokens += num_external_tokens
-        logger.info("kvstore: request %s loads %d tokens (%d blocks) from kvstore after a local hit of %d tokens",
-                    request.request_id, num_external_tokens, stop - first, first * self._block_size)
+        logger.info("kvstore: request %s loads %d tokens (%d blocks) from %s after a local hit of %d tokens",
+                    request.request_id, num_external_tokens, stop - first, source, first * self._block_size)
 
     # -- per step --------------------------------------------------------------------------
     def build_metadata(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
         metadata = KVStoreConnectorMetadata(loads=self._loads)
         self._loads = []
         for scheduled in scheduled_requests(scheduler_output):
-            save = self._save_of(scheduled)
+            state = self._track(scheduled)
+            if state is None:
+                continue
+            handoff = self._handoff_of(scheduled, state)
+            if handoff is not None:  # the handoff stores the blocks on this node too
+                metadata.handoffs.append(handoff)
+                continue
+            save = self._save_of(scheduled, state)
             if save is not None:
                 metadata.saves.append(save)
                 self.counters.saved_blocks_planned += len(save.hashes)
         return metadata
 
-    def finished(self, request: Any) -> None:
-        self._requests.pop(request.request_id, None)
+    def finished(self, request: Any) -> dict | None:
+        """The kv_transfer_params a decode instance needs (PD producer), else None."""
+        state = self._requests.pop(request.request_id, None)
+        if state is None or state.handoff is None:
+            return None
+        return {"do_remote_prefill": True, TRANSFER_ID: state.handoff.transfer_id,
+                DESTINATION: state.handoff.destination, "kvstore_num_blocks": len(state.handoff.hashes)}
 
     def close(self) -> None:
         self._client.close()
 
     # -- helpers ---------------------------------------------------------------------------
-    def _state(self, req_id: str, prompt: list[int]) -> _Request:
+    def _state(self, req_id: str, prompt: list[int], params: dict | None) -> _Request:
         state = self._requests.get(req_id)
         if state is None:
-            state = _Request(prompt, chain_hashes(prompt, self._block_size), [])
+            state = _Request(prompt, chain_hashes(prompt, self._block_size), [], params=params)
             self._requests[req_id] = state
         return state
+
+    def _receives_handoff(self, state: _Request) -> bool:
+        params = state.params or {}
+        return (self._role == "kv_consumer" and bool(params.get("do_remote_prefill")) and bool(params.get(TRANSFER_ID))
+                and not state.handoff_tried)
 
     def _loadable_prefix(self, hashes: list[BlockHash]) -> tuple[TierKind, ...]:
         """Tiers of the blocks of ``hashes`` that every rank can load, from the first
@@ -140,14 +198,10 @@ class SchedulerSide:
             return ()
         return tuple(max(tiers, key=lambda tier: tier.rank) for tiers in zip(*per_rank))
 
-    def _save_of(self, scheduled: ScheduledRequest) -> SaveSpec | None:
-        """The prompt blocks this step's forward pass fills, or None.
-
-        Derived from vLLM's own progress (tokens computed before the step plus those
-        scheduled in it), so a step rolled back after a failed load simply saves the
-        recomputed blocks later."""
+    def _track(self, scheduled: ScheduledRequest) -> _Request | None:
+        """The request's state with this step's block table applied."""
         if scheduled.prompt_token_ids is not None:
-            state = self._state(scheduled.req_id, scheduled.prompt_token_ids)
+            state = self._state(scheduled.req_id, scheduled.prompt_token_ids, None)
         else:
             state = self._requests.get(scheduled.req_id)
             if state is None:
@@ -157,8 +211,14 @@ class SchedulerSide:
                 state.block_ids = list(scheduled.block_ids)
             else:
                 state.block_ids.extend(scheduled.block_ids)
-        if not self._saves:
-            return None
+        return state
+
+    def _save_of(self, scheduled: ScheduledRequest, state: _Request) -> SaveSpec | None:
+        """The prompt blocks this step's forward pass fills, or None.
+
+        Derived from vLLM's own progress (tokens computed before the step plus those
+        scheduled in it), so a step rolled back after a failed load simply saves the
+        recomputed blocks later."""
         computed_after = min(scheduled.num_computed_tokens + scheduled.num_scheduled_tokens, len(state.prompt))
         first = scheduled.num_computed_tokens // self._block_size
         stop = min(computed_after // self._block_size, len(state.block_ids))
@@ -166,3 +226,23 @@ class SchedulerSide:
             return None
         parent = state.hashes[first - 1] if first else None
         return SaveSpec(scheduled.req_id, tuple(state.hashes[first:stop]), tuple(state.block_ids[first:stop]), parent)
+
+    def _handoff_of(self, scheduled: ScheduledRequest, state: _Request) -> HandoffSpec | None:
+        """PD producer: every full prompt block, in the step that completes the prompt."""
+        params = state.params or {}
+        if self._role != "kv_producer" or not params.get("do_remote_decode") or state.handoff is not None:
+            return None
+        if scheduled.num_computed_tokens + scheduled.num_scheduled_tokens < len(state.prompt):
+            return None  # an earlier chunk of the prompt
+        destination = params.get(DESTINATION) or self._settings.handoff_destination
+        num_full = min(len(state.prompt) // self._block_size, len(state.block_ids))
+        if not destination or not num_full:
+            logger.warning("kvstore: request %s asks for a remote decode but %s; the decode instance will recompute it",
+                           scheduled.req_id, "names no destination (kvstore_destination or handoff_destination)"
+                           if not destination else "has no full block")
+            return None
+        transfer_id = params.get(TRANSFER_ID) or f"kvstore-{scheduled.req_id}-{uuid.uuid4().hex[:12]}"
+        state.handoff = HandoffSpec(scheduled.req_id, str(transfer_id), str(destination),
+                                    tuple(state.hashes[:num_full]), tuple(state.block_ids[:num_full]))
+        self.counters.handoffs_sent += 1
+        return state.handoff

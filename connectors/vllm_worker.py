@@ -35,6 +35,7 @@ from kvstore.connectors.vllm_compat import (
     layer_index,
     worker_tp_rank,
 )
+from kvstore.connectors.vllm_handoff import HandoffReceiver, HandoffSender
 from kvstore.connectors.vllm_layout import BlockOrder, BlockRun, LayerCopier, runs_of
 from kvstore.connectors.vllm_meta import ConnectorSettings, KVStoreConnectorMetadata, SaveSpec, namespace_for
 from kvstore.errors import InvalidArgument, KVStoreError
@@ -50,6 +51,9 @@ class WorkerCounters:
     failed_blocks: int = 0  # promised by the scheduler, not loadable: recomputed
     saved_blocks: int = 0
     aborted_saves: int = 0
+    handoff_blocks_sent: int = 0
+    handoff_blocks_received: int = 0
+    handoff_failures: int = 0
 
 
 class WorkerSide:
@@ -64,6 +68,8 @@ class WorkerSide:
         self._copier: LayerCopier | None = None
         self._block_bytes = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-copy")
+        self._sender: HandoffSender | None = None  # PD producer
+        self._receiver: HandoffReceiver | None = None  # PD consumer
         # this step's state, cleared by finish_step
         self._leases: list[Lease] = []
         self._layer_loads: list[Future] = []
@@ -96,6 +102,9 @@ class WorkerSide:
                   for name, cache in ordered]
         self._copier = LayerCopier(namespace.layout, self._caches[0].dtype, orders)
         self._block_bytes = namespace.layout.block_bytes
+        timeout = self._settings.handoff_timeout_s
+        self._sender = HandoffSender(self._client, self._digest, self._copier, self._executor, timeout)
+        self._receiver = HandoffReceiver(self._settings.socket_path, namespace, self._copier, self._caches, timeout)
         logger.info("kvstore: worker registered %d layers, namespace %s, daemon node %s",
                     len(ordered), namespace.id, self._client.node_id)
 
@@ -103,6 +112,9 @@ class WorkerSide:
     def start_load(self, metadata: KVStoreConnectorMetadata) -> None:
         runs: list[BlockRun] = []
         for spec in metadata.loads:
+            if spec.transfer_id is not None:
+                self._receiver.start(spec)  # asynchronous: reported through finished_receiving
+                continue
             lease = self._acquire(spec.hashes)
             self._leases.append(lease)
             loaded = lease.num_blocks
@@ -122,19 +134,31 @@ class WorkerSide:
             # a failed copy is reported (and its blocks recomputed) by finish_step
             self._layer_loads[self._layer_of[layer_name]].exception()
 
+    def finished_receiving(self) -> set[str]:
+        """Requests whose handoff is over; the blocks it did not fill become load errors."""
+        if self._receiver is None:
+            return set()
+        finished, failed = self._receiver.take_finished()
+        self._load_errors |= failed
+        self.counters.failed_blocks += len(failed)
+        self.counters.handoff_blocks_received = self._receiver.blocks_received
+        return finished
+
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     # -- saving ----------------------------------------------------------------------------
     def save_layer(self, layer_name: str, metadata: KVStoreConnectorMetadata) -> None:
+        layer = self._layer_of[layer_name]
+        if metadata.handoffs:
+            self._sender.layer_written(metadata.handoffs, self._caches[layer], layer)
         if not metadata.saves:
             return
         if self._saves is None:
             self._saves = [(spec, pending) for spec in metadata.saves if (pending := self._reserve(spec)) is not None]
             self._save_runs = [run for spec, pending in self._saves
                                for run in runs_of([spec.block_ids[i] for i in pending.indices], pending.views, self._block_bytes)]
-        layer = self._layer_of[layer_name]
         self._saved_layers.add(layer)
         if self._save_runs:
             self._layer_saves.append(self._executor.submit(self._copier.save, self._caches[layer], layer, self._save_runs))
@@ -157,6 +181,10 @@ class WorkerSide:
                 saves_copied = False
         for lease in self._leases:
             self._release(lease)
+        if self._sender is not None:  # registered: steps before that (profiling) move nothing
+            self._sender.finish_step(abandon=self._step_failed)
+            self.counters.handoff_blocks_sent = self._sender.blocks_sent
+            self.counters.handoff_failures = self._sender.failures + self._receiver.failures
         complete = saves_copied and len(self._saved_layers) == len(self._caches) and not self._step_failed
         for spec, pending in self._saves or ():
             self._finish_save(spec, pending, complete)
@@ -166,6 +194,8 @@ class WorkerSide:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        if self._receiver is not None:
+            self._receiver.close()
         if self._client is not None:
             self._client.close()
 

@@ -10,7 +10,11 @@ must get those prefixes from kvstore alone:
    the namespace names;
 2. overwriting a prompt's stored bytes with another prompt's changes the output (the
    loaded KV is really used), and a block that fails its NVMe checksum is recomputed,
-   with the correct output.
+   with the correct output;
+3. prefill/decode disaggregation: a producer instance prefills and hands the KV, layer
+   by layer, to the decode instance's daemon (a second daemon, over TCP); the consumer
+   instance decodes with it the tokens a single instance decodes. A handoff that never
+   comes is recomputed.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import os
 import random
 import signal
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -57,6 +62,7 @@ def random_prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
 P, Q, R, S = (random_prompt(seed) for seed in (11, 12, 13, 14))
 P_SHARED = P[:500] + random_prompt(15, 500)  # shares P's first 15 full blocks (480 tokens)
 T = random_prompt(16, 32 * BLOCK)  # whole blocks only: all but its last token come from kvstore
+U = random_prompt(17)  # prefilled on one instance, decoded on another
 
 
 @dataclass
@@ -64,16 +70,21 @@ class Store:
     daemon: Daemon
     model: Path
     workdir: Path
-    saved_by_a: dict
+    start_daemon: Callable[..., Daemon]
+    saved_by_a: dict = field(default_factory=dict)
 
-    def connector(self) -> dict:
-        return {"name": "KVStoreConnector", "module": "kvstore.connectors.vllm", "role": "kv_both",
-                "extra": {"socket_path": str(self.daemon.socket)}}
+    def connector(self, daemon: Daemon | None = None, role: str = "kv_both", **extra) -> dict:
+        return {"name": "KVStoreConnector", "module": "kvstore.connectors.vllm", "role": role,
+                "extra": {"socket_path": str((daemon or self.daemon).socket), **extra}}
 
-    def serve(self, name: str, prompts: list[list[int]], connector: bool = True) -> dict:
-        plan = {"model": str(self.model), "block_size": BLOCK, "max_model_len": 4096,
-                "connector": self.connector() if connector else None,
-                "requests": [{"prompt": prompt, "max_tokens": MAX_TOKENS} for prompt in prompts]}
+    def serve(self, name: str, prompts: list[list[int]], connector: dict | bool = True, transfer: list | None = None,
+              max_tokens: int = MAX_TOKENS) -> dict:
+        connector = self.connector() if connector is True else connector or None
+        requests = [{"prompt": prompt, "max_tokens": max_tokens} for prompt in prompts]
+        for request, params in zip(requests, transfer or ()):
+            request["kv_transfer_params"] = params
+        plan = {"model": str(self.model), "block_size": BLOCK, "max_model_len": 4096, "connector": connector,
+                "requests": requests}
         return engine_process(plan, self.workdir, name)
 
     def namespace(self) -> Namespace:
@@ -90,7 +101,7 @@ def store(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("vllm-e2e")
     model = build_model(workdir / "model", "tiny")
     with daemons(workdir) as start:
-        store = Store(start(), model, workdir, {})
+        store = Store(start(), model, workdir, start)
         store.saved_by_a = store.serve("instance-a", [P, Q, R, S, T])
         yield store
 
@@ -98,8 +109,8 @@ def store(tmp_path_factory):
 @pytest.fixture(scope="module")
 def baseline(store):
     """The same prompts on an engine without kvstore: the tokens every run must match."""
-    report = store.serve("baseline", [P, P_SHARED, Q, R, T], connector=False)
-    return dict(zip(("P", "P_SHARED", "Q", "R", "T"), (r["tokens"] for r in report["results"])))
+    report = store.serve("baseline", [P, P_SHARED, Q, R, T, U], connector=False)
+    return dict(zip(("P", "P_SHARED", "Q", "R", "T", "U"), (r["tokens"] for r in report["results"])))
 
 
 def test_instance_a_saves_every_full_block_as_the_reference_model_computes_it(store, baseline):
@@ -171,3 +182,35 @@ def test_a_block_failing_its_nvme_checksum_is_recomputed_with_the_correct_output
     assert recovered["results"][0]["tokens"] == baseline["Q"]  # … and recomputed
     assert counters["saved_blocks"] == 1  # the dropped block is stored again (the others were intact)
     assert store.counters()["corrupt_nvme"] == corrupt_before + 1
+
+
+def test_a_prefill_instance_hands_the_kv_to_a_decode_instance_layer_by_layer(store, baseline):
+    # one daemon per instance, talking over TCP; the decode daemon keeps an unclaimed handoff for 5 minutes
+    patient = {"transport.handoff_timeout_s": "300"}
+    prefill_daemon, decode_daemon = store.start_daemon(extra=patient), store.start_daemon(extra=patient)
+    producer = store.connector(prefill_daemon, "kv_producer", handoff_destination=decode_daemon.transport_address)
+    prefilled = store.serve("instance-prefill", [U], producer, max_tokens=1,
+                            transfer=[{"do_remote_decode": True, "kvstore_transfer_id": "pd-1"}])
+    sent = prefilled["results"][0]
+    assert sent["tokens"] == baseline["U"][:1]
+    assert sent["kv_transfer_params"].items() >= {"do_remote_prefill": True, "kvstore_transfer_id": "pd-1",
+                                                  "kvstore_destination": decode_daemon.transport_address,
+                                                  "kvstore_num_blocks": PROMPT_TOKENS // BLOCK}.items()
+    assert prefilled["connector"]["handoff_blocks_sent"] == PROMPT_TOKENS // BLOCK
+    # the proxy passes the prefill's kv_transfer_params on; a second request names a handoff nobody sends
+    consumer = store.connector(decode_daemon, "kv_consumer", handoff_timeout_s=5)
+    decoded = store.serve("instance-decode", [U, P], consumer,
+                          transfer=[sent["kv_transfer_params"], {"do_remote_prefill": True, "kvstore_transfer_id": "never-sent"}])
+    handed_off, never_sent = decoded["results"]
+    assert handed_off["tokens"] == baseline["U"]
+    assert never_sent["tokens"] == baseline["P"]  # recomputed after the wait
+    counters = decoded["connector"]
+    assert counters["handoffs_received"] == 2 and counters["external_hit_tokens"] == 2 * FULL_HIT
+    assert counters["handoff_blocks_received"] == PROMPT_TOKENS // BLOCK
+    assert counters["failed_blocks"] == PROMPT_TOKENS // BLOCK and counters["handoff_failures"] == 1
+    assert counters["saved_blocks"] == PROMPT_TOKENS // BLOCK  # only P was computed here
+    # both daemons keep the prompt's blocks
+    for daemon in (prefill_daemon, decode_daemon):
+        with KVStoreClient(daemon.socket) as client:
+            digest = client.register_namespace(store.namespace())
+            assert client.lookup(digest, chain_hashes(U, BLOCK)).num_blocks == PROMPT_TOKENS // BLOCK

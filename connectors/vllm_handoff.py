@@ -1,0 +1,221 @@
+"""Prefill → decode through the daemons' handoff, for the vLLM connector's PD roles.
+
+Producer (prefill instance): in the step that completes a prompt, the step's first
+``save_layer`` opens a handoff of the prompt's full blocks to the decode daemon; each
+layer is copied from vLLM's cache into the handoff's staging slots on the copy thread as
+soon as the forward pass wrote it, and announced (``handoff_layers_ready``) once its
+copy is done, so the daemon streams layer i while the engine computes layer i+1. At the
+end of the step ``handoff_finish`` waits for the tail of the transfer; the blocks then
+stay cached on the prefill node too. The engine's blocks can be freed as soon as the
+step ends: the bytes are in kvstore's slots by then.
+
+Consumer (decode instance): a request arrives with the transfer id and is loaded
+asynchronously — a background thread (with its own daemon connection: the handoff
+belongs to the session that receives it) waits for the handoff, checks that it carries
+the block hashes this instance computed for the prompt, copies each layer into the
+engine's blocks as it arrives and reports the request finished; blocks it could not
+fill (fewer sent, other hashes, a transfer that broke off) are reported as load errors
+and recomputed.
+
+Owners: ``HandoffSender`` — vLLM's worker thread (its copies run on the worker's copy
+thread); ``HandoffReceiver`` — its methods on the worker thread, its transfers on its
+own thread, which alone uses its client.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kvstore.client import KVStoreClient
+from kvstore.connectors.vllm_compat import connector_logger
+from kvstore.connectors.vllm_layout import BlockRun, LayerCopier, runs_of
+from kvstore.connectors.vllm_meta import HandoffSpec, LoadSpec
+from kvstore.errors import KVStoreError
+from kvstore.namespace import Namespace
+
+__all__ = ["HandoffSender", "HandoffReceiver"]
+
+logger = connector_logger(__name__)
+
+
+@dataclass
+class _Outgoing:
+    spec: HandoffSpec
+    runs: list[BlockRun]
+    layers_announced: int = 0
+    failed: bool = False
+
+
+@dataclass
+class _StepSends:
+    handoffs: list[_Outgoing] = field(default_factory=list)
+    copies: list[tuple[int, Future]] = field(default_factory=list)  # (layer, its copy), in layer order
+
+
+class HandoffSender:
+    def __init__(self, client: KVStoreClient, digest: bytes, copier: LayerCopier, executor: Executor, timeout_s: float) -> None:
+        self._client = client
+        self._digest = digest
+        self._copier = copier
+        self._executor = executor
+        self._timeout_s = timeout_s
+        self._step: _StepSends | None = None
+        self.blocks_sent = 0
+        self.failures = 0
+
+    def layer_written(self, specs: Sequence[HandoffSpec], cache: torch.Tensor, layer: int) -> None:
+        """The forward pass wrote ``layer``: announce earlier layers whose copies are done,
+        queue this one's copy (opening the step's handoffs at its first layer)."""
+        if self._step is None:
+            self._step = _StepSends([outgoing for spec in specs if (outgoing := self._open(spec)) is not None])
+        self._announce_copied(wait=False)
+        runs = [run for outgoing in self._step.handoffs if not outgoing.failed for run in outgoing.runs]
+        if runs:
+            self._step.copies.append((layer, self._executor.submit(self._copier.save, cache, layer, runs)))
+
+
+    def finish_step(self, abandon: bool) -> None:
+        """Announce the remaining layers and wait for every handoff of the step to land —
+        or, with ``abandon`` (the step read KV that failed to load), cancel them all.
+        Cancelling waits for the step's copies: a cancelled handoff's slots are freed."""
+        if self._step is None:
+            return
+        self._announce_copied(wait=True)
+        for outgoing in self._step.handoffs:
+            if abandon and not outgoing.failed:
+                self._mark_failed(outgoing, "this step's KV is not trusted")
+            if outgoing.failed:
+                self._cancel(outgoing)
+            else:
+                self._finish(outgoing)
+        self._step = None
+
+    def _open(self, spec: HandoffSpec) -> _Outgoing | None:
+        try:
+            sending = self._client.handoff_send(self._digest, spec.hashes, spec.transfer_id, spec.destination)
+        except KVStoreError as exc:
+            self.failures += 1
+            logger.warning("kvstore: cannot open handoff %r to %s, the decode instance will recompute: %s",
+                           spec.transfer_id, spec.destination, exc)
+            return None
+        return _Outgoing(spec, runs_of(spec.block_ids, sending.views, self._copier.block_bytes))
+
+    def _announce_copied(self, wait: bool) -> None:
+        copies = self._step.copies
+        while copies and (wait or copies[0][1].done()):
+            layer, copy = copies.pop(0)
+            error = copy.exception()
+            for outgoing in self._step.handoffs:
+                if outgoing.failed:
+                    continue
+                if error is not None:
+                    self._mark_failed(outgoing, error)
+                    continue
+                try:
+                    self._client.handoff_layers_ready(outgoing.spec.transfer_id, layer)
+                except (KVStoreError, OSError) as exc:
+                    self._mark_failed(outgoing, exc)
+
+    def _finish(self, outgoing: _Outgoing) -> None:
+        spec = outgoing.spec
+        try:
+            stored = self._client.handoff_finish(spec.transfer_id, timeout_s=self._timeout_s)
+        except KVStoreError as exc:  # the daemon closed the handoff
+            self._mark_failed(outgoing, exc)
+            return
+        self.blocks_sent += len(spec.hashes)
+        logger.info("kvstore: handoff %r of request %s: %d blocks to %s (%d stored there)",
+                    spec.transfer_id, spec.req_id, len(spec.hashes), spec.destination, stored)
+
+    def _mark_failed(self, outgoing: _Outgoing, error: object) -> None:
+        outgoing.failed = True
+        self.failures += 1
+        logger.warning("kvstore: handoff %r of request %s failed, the decode instance will recompute: %s",
+                       outgoing.spec.transfer_id, outgoing.spec.req_id, error)
+
+    def _cancel(self, outgoing: _Outgoing) -> None:
+        try:
+            self._client.handoff_cancel(outgoing.spec.transfer_id)
+        except (KVStoreError, OSError):
+            pass  # already closed by the daemon
+
+
+class HandoffReceiver:
+    def __init__(self, socket_path: str, namespace: Namespace, copier: LayerCopier, caches: Sequence[torch.Tensor],
+                 timeout_s: float) -> None:
+        self._socket_path = socket_path
+        self._namespace = namespace
+        self._copier = copier
+        self._caches = caches
+        self._timeout_s = timeout_s
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-handoff")
+        self._client: KVStoreClient | None = None  # the receiving thread's own
+        self._jobs: dict[str, Future[set[int]]] = {}
+        self.blocks_received = 0
+        self.failures = 0
+
+    def start(self, spec: LoadSpec) -> None:
+        self._jobs[spec.req_id] = self._executor.submit(self._receive, spec)
+
+    def take_finished(self) -> tuple[set[str], set[int]]:
+        """Requests whose handoff is over (landed or not), and the engine blocks it did not fill."""
+        finished, failed = set(), set()
+        for req_id, job in list(self._jobs.items()):
+            if job.done():
+                del self._jobs[req_id]
+                finished.add(req_id)
+                failed |= job.result()
+        return finished, failed
+
+    def close(self) -> None:
+        self._executor.submit(self._disconnect)
+        self._executor.shutdown(wait=True)
+
+    def _receive(self, spec: LoadSpec) -> set[int]:
+        """Runs on the receiving thread; returns the engine blocks left unfilled."""
+        try:
+            client = self._connect()
+            digest = self._namespace.digest
+            receiving = client.handoff_receive(digest, spec.transfer_id, timeout_s=self._timeout_s)
+        except KVStoreError as exc:
+            return self._failed(spec, spec.block_ids, exc)
+        try:
+            first = spec.first_block
+            sent = list(receiving.hashes[first : first + len(spec.hashes)])
+            # the prefill instance must have hashed the same tokens: only the agreeing prefix is used
+            usable = next((k for k, (ours, theirs) in enumerate(zip(spec.hashes, sent)) if ours != theirs), len(sent))
+            runs = runs_of(spec.block_ids[:usable], receiving.views[first : first + usable], self._copier.block_bytes)
+            for layer, cache in enumerate(self._caches):
+                client.handoff_wait_layers(spec.transfer_id, layer + 1, timeout_s=self._timeout_s)
+                self._copier.load(cache, layer, runs)
+        except Exception as exc:  # a transfer or a copy that broke: nothing of it is trusted
+            return self._failed(spec, spec.block_ids, exc)
+        finally:
+            try:
+                client.handoff_close(spec.transfer_id)
+            except (KVStoreError, OSError):
+                pass  # the transfer already failed; the daemon freed it
+        self.blocks_received += usable
+        if usable < len(spec.hashes):
+            return self._failed(spec, spec.block_ids[usable:], "the handoff holds other or fewer blocks than the prompt")
+        return set()
+
+    def _failed(self, spec: LoadSpec, block_ids: Sequence[int], why: object) -> set[int]:
+        self.failures += 1
+        logger.warning("kvstore: handoff %r of request %s: %d blocks not received (%s); vLLM recomputes them",
+                       spec.transfer_id, spec.req_id, len(block_ids), why)
+        return set(block_ids)
+
+    def _connect(self) -> KVStoreClient:
+        if self._client is None:
+            self._client = KVStoreClient(self._socket_path)
+            self._client.register_namespace(self._namespace)
+        return self._client
+
+    def _disconnect(self) -> None:
+        if self._client is not None:
+            self._client.close()

@@ -33,15 +33,17 @@ test: $(STAMP) $(VLLM_STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m bench.tiers
 	$(PY) -m bench.daemon
 	$(PY) -m bench.index
+	$(PY) -m bench.e2e_vllm
 
-bench-quick: $(STAMP)
+bench-quick: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m bench.tiers --quick
 	$(PY) -m bench.daemon --quick
 	$(PY) -m bench.index --quick
+	$(PY) -m bench.e2e_vllm --quick
 
 demo: $(STAMP)
 	$(PY) -m kvstore.demo
@@ -52,7 +54,7 @@ proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. kvstore/api/v1/kvstore.proto
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
 
 # --- vLLM end-to-end environment -----------------------------------------------------
 # tests/test_vllm_e2e.py and bench.e2e_vllm start vLLM (CPU build) in subprocesses with

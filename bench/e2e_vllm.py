@@ -4,72 +4,85 @@ ExampleConnector vs kvstore, in the same run.
     python -m bench.e2e_vllm [--quick] [--json]
 
 A random Llama (``bench.vllm_model`` "mid": ~60 M parameters, 8 layers; an 8K-token
-prefill takes 15–20 s on two cores) is served by three engine processes
-(``bench.vllm_engine``, prefix caching off, the same model and plan), one per setting:
+prefill takes 8–20 s on two cores, depending on what else runs) is served by three
+engine processes kept up side by side (``bench.vllm_engine``, prefix caching off, the
+same model), one per setting:
 
 - recompute: no connector; every request prefills its whole prompt;
 - example: vLLM's built-in ``ExampleConnector`` (per-layer safetensors files on local
   disk, keyed by the whole prompt);
 - kvstore: ``KVStoreConnector`` against a real ``kvstore serve`` daemon.
 
-Each engine serves a warm-up prompt, then each test prompt three times; the second and
-third requests find it cached (except under recompute) and their wall time with
-``max_tokens=1`` is a TTFT sample (best of the two, the least disturbed by the rest of
-the machine). Two prompts: one of whole blocks (8192 tokens), where kvstore loads every
-block and computes only the last token while ExampleConnector recomputes the last block;
-and one ending in a partial block (8173 tokens), where both compute the same tail and
-only the load path differs. A cached request must decode the first request's token, or
-the run fails.
+Each engine serves a warm-up prompt, then each test prompt once (stored by the
+connectors), then the same prompt again in rounds that take the engines in turn, so that
+each round's samples see the same machine: every such request finds the prompt cached
+(except under recompute) and its wall time with ``max_tokens=1`` is a TTFT sample. A
+setting's TTFT is the median of its samples (seven per connector; one for recompute,
+each of whose samples is a whole prefill). Two prompts: one of whole blocks (8192
+tokens), where kvstore loads every block and computes only the last token while
+ExampleConnector recomputes the last block; and one ending in a partial block (8173
+tokens), where both compute the same 13-token tail and only the load path differs.
 
-Targets: kvstore ≤ 0.3× recompute and faster than ExampleConnector (both prompts).
-Duration on two cores: full ≈ 4–5 min (the 8K prefills dominate); ``--quick`` (1K-token
-prompts) ≈ 70–90 s — three engine starts and the model build take most of it, so it does
-not meet the contract's 60 s.
+A cached request must decide as the first request did, or the run fails: its token is
+the first request's, or — random bf16 weights give near ties, and a cached prefix runs
+through other kernels than a full prefill — one of the first request's top 5 within 0.1
+nats of its best.
+
+Targets: kvstore ≤ 0.3× recompute, and faster than ExampleConnector on both prompts.
+Duration on two cores: full ≈ 3–5 min (the 8K prefills dominate); ``--quick`` (1K-token
+prompts) ≈ 60–80 s — three engine starts and the model build take most of it, so it
+does not meet the contract's 60 s.
 """
 
 from __future__ import annotations
 
 import random
 import shutil
+import statistics
 import tempfile
 from pathlib import Path
 
 from bench.report import Report, parse_args
-from bench.vllm_engine import build_model, engine_process
+from bench.vllm_engine import EngineProcess, build_model
 from kvstore.spawn import spawn_daemon
 
 MiB = 1024 * 1024
 BLOCK = 32
 VOCAB = 4096  # the "mid" model's
+SAMPLES = {"recompute": 1, "example": 7, "kvstore": 7}  # TTFT samples per prompt, after its first request
+NEAR_TIE_NATS = 0.1
 
 
-def prompts(num_prompts: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def prompt(length: int, seed: int) -> list[int]:
     rng = random.Random(seed)
-    return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(num_prompts)]
+    return [rng.randrange(2, VOCAB) for _ in range(length)]
 
 
-REPEATS = 3  # the first request of a prompt stores it; the others are the TTFT samples
+def same_decision(first: dict, repeat: dict) -> bool:
+    if repeat["tokens"] == first["tokens"]:
+        return True
+    candidates = {int(token): logprob for token, logprob in first["first_logprobs"].items()}
+    chosen = candidates.get(repeat["tokens"][0])
+    return chosen is not None and chosen >= max(candidates.values()) - NEAR_TIE_NATS
 
 
-def plan(model: Path, tests: list[list[int]], warmup: list[int], connector: dict | None) -> dict:
-    requests = [{"prompt": warmup, "max_tokens": 1}]
-    for prompt in tests:
-        requests += [{"prompt": prompt, "max_tokens": 1}] * REPEATS
-    max_len = max(len(p) for p in tests) + 64
-    return {"model": str(model), "block_size": BLOCK, "max_model_len": max_len, "connector": connector, "requests": requests}
-
-
-def cached_ttfts(report: dict, name: str) -> list[tuple[float, list[float]]]:
-    """Per test prompt: (first request's seconds, TTFT samples of the cached repeats)."""
-    results = report["results"][1:]
-    per_prompt = []
-    for at in range(0, len(results), REPEATS):
-        first, *repeats = results[at : at + REPEATS]
-        for repeat in repeats:
-            if repeat["tokens"] != first["tokens"]:
-                raise SystemExit(f"{name}: a cached request decoded {repeat['tokens']}, the first {first['tokens']}")
-        per_prompt.append((first["seconds"], [r["seconds"] for r in repeats]))
-    return per_prompt
+def measure(engines: dict[str, EngineProcess], tokens: list[int]) -> dict[str, tuple[float, list[float]]]:
+    """Per setting: (first request's seconds, TTFT samples of the repeats, taken in rounds)."""
+    request = {"prompt": tokens, "max_tokens": 1, "logprobs": 5}
+    firsts = {name: engine.serve(request) for name, engine in engines.items()}
+    samples: dict[str, list[float]] = {name: [] for name in engines}
+    names = list(engines)
+    for round_index in range(max(SAMPLES.values())):
+        order = names[round_index % len(names):] + names[: round_index % len(names)]
+        for name in order:
+            if round_index >= SAMPLES[name]:
+                continue
+            repeat = engines[name].serve(request)
+            if not same_decision(firsts[name], repeat):
+                raise SystemExit(f"{name}: a cached request decoded {repeat['tokens']}, the first {firsts[name]['tokens']} "
+                                 f"(top logprobs {firsts[name]['first_logprobs']})")
+            samples[name].append(repeat["seconds"])
+    return {name: (firsts[name]["seconds"], samples[name]) for name in engines}
 
 
 def main() -> None:
@@ -78,44 +91,47 @@ def main() -> None:
     shapes = {"whole_blocks": length, "partial_block": length - 19}
     report = Report("e2e_vllm")
     workdir = Path(tempfile.mkdtemp(prefix="kvstore-bench-e2e-vllm-"))
+    engines: dict[str, EngineProcess] = {}
+    daemon = None
     try:
         model = build_model(workdir / "model", "mid")
-        tests = [prompts(1, n, VOCAB, seed=i)[0] for i, n in enumerate(shapes.values(), start=1)]
-        warmup = prompts(1, 256, VOCAB, seed=99)[0]
         example_dir = workdir / "example-connector"
         example_dir.mkdir()
         daemon = spawn_daemon(workdir / "kvstore.sock", {
             "server.grpc_port": 0, "server.metrics_port": -1, "nvme.enabled": "false", "host.capacity_bytes": 512 * MiB,
         }, workdir / "daemon.log")
-        settings = {
+        connectors = {
             "recompute": None,
-            "example": {"name": "ExampleConnector", "role": "kv_both",
-                        "extra": {"shared_storage_path": str(example_dir)}},
+            "example": {"name": "ExampleConnector", "role": "kv_both", "extra": {"shared_storage_path": str(example_dir)}},
             "kvstore": {"name": "KVStoreConnector", "module": "kvstore.connectors.vllm", "role": "kv_both",
                         "extra": {"socket_path": str(daemon.socket_path)}},
         }
+        for name, connector in connectors.items():
+            plan = {"model": str(model), "block_size": BLOCK, "max_model_len": length + 64, "connector": connector}
+            engines[name] = EngineProcess(plan, workdir, name)
+            engines[name].serve({"prompt": prompt(256, seed=99), "max_tokens": 1})  # warm-up
         ttft: dict[tuple[str, str], float] = {}
-        try:
-            for name, connector in settings.items():
-                engine = engine_process(plan(model, tests, warmup, connector), workdir, name)
-                for shape, (first, samples) in zip(shapes, cached_ttfts(engine, name)):
-                    ttft[name, shape] = min(samples)
-                    report.results.append({
-                        "setting": name, "prompt": shape, "prompt_tokens": shapes[shape], "ttft_s": round(min(samples), 4),
-                        "samples_s": [round(x, 4) for x in samples], "first_request_s": round(first, 4),
-                        "startup_s": round(engine["startup_s"], 1),
-                    })
-                report.results[-1]["connector"] = engine["connector"]
-        finally:
-            daemon.stop()
-        rows = [[name, shape, shapes[shape], ttft[name, shape] * 1e3] for name in settings for shape in shapes]
-        report.print_table("TTFT of a cached request (best of 2), ms", ["setting", "prompt", "tokens", "ttft_ms"], rows)
+        for seed, (shape, num_tokens) in enumerate(shapes.items(), start=1):
+            for name, (first, samples) in measure(engines, prompt(num_tokens, seed)).items():
+                ttft[name, shape] = statistics.median(samples)
+                report.results.append({
+                    "setting": name, "prompt": shape, "prompt_tokens": num_tokens, "ttft_s": round(ttft[name, shape], 4),
+                    "samples_s": [round(x, 4) for x in samples], "first_request_s": round(first, 4),
+                    "startup_s": round(engines[name].startup_s, 1),
+                })
+        report.results.append({"setting": "kvstore", "connector_counters": engines["kvstore"].close()})
+        rows = [[name, shape, shapes[shape], ttft[name, shape] * 1e3] for name in connectors for shape in shapes]
+        report.print_table("TTFT of a cached request (median of the samples), ms", ["setting", "prompt", "tokens", "ttft_ms"], rows)
         report.ratio("kvstore_over_recompute", ttft["kvstore", "whole_blocks"] / ttft["recompute", "whole_blocks"], "<= 0.3")
         report.ratio("kvstore_over_example", ttft["kvstore", "whole_blocks"] / ttft["example", "whole_blocks"], "< 1.0")
         report.ratio("kvstore_over_example_partial_block",
                      ttft["kvstore", "partial_block"] / ttft["example", "partial_block"], "< 1.0")
         report.emit(args.json)
     finally:
+        for engine in engines.values():
+            engine.kill()
+        if daemon is not None:
+            daemon.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -1,6 +1,7 @@
 """One vLLM (CPU) engine process that serves a list of prompts and reports, as JSON.
 
     .venv-vllm/bin/python -m bench.vllm_engine PLAN.json REPORT.json
+    .venv-vllm/bin/python -m bench.vllm_engine PLAN.json --serve     (EngineProcess)
 
 Used by the end-to-end tests and by ``bench.e2e_vllm``: each engine instance is a fresh
 process (so nothing but kvstore can carry KV from one to the next), started with the
@@ -10,11 +11,18 @@ connector the plan names, serving the plan's requests one after another. The pla
      "connector": null | {"name": "KVStoreConnector" | "ExampleConnector",
                           "module": "kvstore.connectors.vllm" | null, "role": "kv_both",
                           "extra": {...}},
-     "requests": [{"prompt": [token ids], "max_tokens": 16, "kv_transfer_params": {...}}, ...]}
+     "requests": [{"prompt": [token ids], "max_tokens": 16, "kv_transfer_params": {...},
+                   "logprobs": 5}, ...]}
+
+With ``--serve`` the engine stays up and serves requests (the same JSON objects) one per
+line on stdin, answering each with a result line on file descriptor 3, so a benchmark
+can interleave several engines under the same machine conditions (``EngineProcess``).
 
 The report written to REPORT.json is ``{"startup_s", "results": [{"tokens",
-"num_cached_tokens", "kv_transfer_params", "seconds"}], "connector": {counters} | null}``;
-``seconds`` is the wall time of the request alone, its TTFT when ``max_tokens`` is 1.
+"num_cached_tokens", "kv_transfer_params", "first_logprobs", "seconds"}], "connector":
+{counters} | null}``; ``seconds`` is the wall time of the request alone, its TTFT when
+``max_tokens`` is 1; ``first_logprobs`` maps the top token ids of the first output
+position to their logprobs when the request asked for ``logprobs``.
 """
 
 from __future__ import annotations
@@ -22,10 +30,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import select
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 # The venv `make vllm-venv` builds; the main venv has no vLLM.
 VLLM_PYTHON = Path(os.environ.get("KVSTORE_VLLM_PYTHON", Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"))
@@ -99,12 +109,10 @@ def _connector_counters(llm) -> dict | None:
     return counters or None
 
 
-def run(plan: dict) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def start_engine(plan: dict):
+    from vllm import LLM
 
-    started = time.perf_counter()
-    llm = LLM(
+    return LLM(
         model=plan["model"],
         dtype="bfloat16",
         block_size=plan.get("block_size", 32),
@@ -115,28 +123,107 @@ def run(plan: dict) -> dict:
         seed=0,
         kv_transfer_config=_transfer_config(plan.get("connector")),
     )
+
+
+def serve(llm, request: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    transfer = request.get("kv_transfer_params")
+    params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 16), ignore_eos=True,
+                            logprobs=request.get("logprobs"),
+                            extra_args={"kv_transfer_params": transfer} if transfer else None)
+    began = time.perf_counter()
+    output = llm.generate([TokensPrompt(prompt_token_ids=request["prompt"])], params, use_tqdm=False)[0]
+    seconds = time.perf_counter() - began
+    logprobs = output.outputs[0].logprobs
+    return {
+        "tokens": list(output.outputs[0].token_ids),
+        "first_logprobs": {token: entry.logprob for token, entry in logprobs[0].items()} if logprobs else None,
+        "num_cached_tokens": output.num_cached_tokens,
+        "kv_transfer_params": output.kv_transfer_params,
+        "seconds": seconds,
+    }
+
+
+def run(plan: dict) -> dict:
+    started = time.perf_counter()
+    llm = start_engine(plan)
     startup_s = time.perf_counter() - started
-    results = []
-    for request in plan["requests"]:
-        transfer = request.get("kv_transfer_params")
-        params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 16), ignore_eos=True,
-                                extra_args={"kv_transfer_params": transfer} if transfer else None)
-        began = time.perf_counter()
-        output = llm.generate([TokensPrompt(prompt_token_ids=request["prompt"])], params, use_tqdm=False)[0]
-        results.append({
-            "tokens": list(output.outputs[0].token_ids),
-            "num_cached_tokens": output.num_cached_tokens,
-            "kv_transfer_params": output.kv_transfer_params,
-            "seconds": time.perf_counter() - began,
-        })
+    results = [serve(llm, request) for request in plan["requests"]]
     return {"startup_s": startup_s, "results": results, "connector": _connector_counters(llm)}
+
+
+def serve_lines(plan: dict, requests: IO[str], answers: IO[str]) -> None:
+    started = time.perf_counter()
+    llm = start_engine(plan)
+    answers.write(json.dumps({"startup_s": time.perf_counter() - started}) + "\n")
+    answers.flush()
+    for line in requests:
+        if not line.strip():
+            break
+        answers.write(json.dumps(serve(llm, json.loads(line))) + "\n")
+        answers.flush()
+    answers.write(json.dumps({"connector": _connector_counters(llm)}) + "\n")
+    answers.flush()
+
+
+class EngineProcess:
+    """An engine process kept up to serve requests one at a time (``--serve``)."""
+
+    def __init__(self, plan: dict, workdir: Path, name: str, timeout_s: float = 900) -> None:
+        plan_path = workdir / f"{name}.json"
+        plan_path.write_text(json.dumps(plan))
+        self._timeout_s = timeout_s
+        read_fd, write_fd = os.pipe()
+        self._log = workdir / f"{name}.log"
+        with open(self._log, "w") as log:
+            self._process = subprocess.Popen(
+                [str(VLLM_PYTHON), "-m", "bench.vllm_engine", str(plan_path), "--serve"], stdin=subprocess.PIPE,
+                stdout=log, stderr=subprocess.STDOUT, pass_fds=(write_fd,), text=True,
+                cwd=Path(__file__).resolve().parents[1], env={**os.environ, **ENGINE_ENV, "KVSTORE_ANSWER_FD": str(write_fd)},
+            )
+        os.close(write_fd)
+        self._answers = os.fdopen(read_fd, "r")
+        self.startup_s = self._answer()["startup_s"]
+
+    def serve(self, request: dict) -> dict:
+        self._process.stdin.write(json.dumps(request) + "\n")
+        self._process.stdin.flush()
+        return self._answer()
+
+    def close(self) -> dict | None:
+        """Stop the engine; returns its connector's counters."""
+        self._process.stdin.write("\n")
+        self._process.stdin.flush()
+        counters = self._answer()["connector"]
+        self._process.wait(timeout=self._timeout_s)
+        self._answers.close()
+        return counters
+
+    def kill(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+    def _answer(self) -> dict:
+        ready, _, _ = select.select([self._answers], [], [], self._timeout_s)
+        line = self._answers.readline() if ready else ""
+        if not line:
+            self.kill()
+            raise EngineFailed(f"engine process gave no answer; log {self._log}:\n{self._log.read_text()[-6000:]}")
+        return json.loads(line)
 
 
 def main() -> None:
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
-    plan_path, report_path = Path(sys.argv[1]), Path(sys.argv[2])
-    report_path.write_text(json.dumps(run(json.loads(plan_path.read_text()))))
+    plan = json.loads(Path(sys.argv[1]).read_text())
+    if sys.argv[2] == "--serve":
+        with os.fdopen(int(os.environ["KVSTORE_ANSWER_FD"]), "w") as answers:
+            serve_lines(plan, sys.stdin, answers)
+    else:
+        Path(sys.argv[2]).write_text(json.dumps(run(plan)))
 
 
 if __name__ == "__main__":

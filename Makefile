@@ -33,15 +33,17 @@ test: $(STAMP) $(ENGINES_STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(STAMP) $(ENGINES_STAMP)
 	$(PY) -m bench.tiers
 	$(PY) -m bench.daemon
 	$(PY) -m bench.index
+	$(ENGINES_PY) -m bench.lmcache
 
-bench-quick: $(STAMP)
+bench-quick: $(STAMP) $(ENGINES_STAMP)
 	$(PY) -m bench.tiers --quick
 	$(PY) -m bench.daemon --quick
 	$(PY) -m bench.index --quick
+	$(ENGINES_PY) -m bench.lmcache --quick
 
 demo: $(STAMP)
 	$(PY) -m kvstore.demo

@@ -61,7 +61,10 @@ class KVStoreRemoteConnector(RemoteConnector):
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         settings = _plugin_settings(config)
-        num_layers, planes, chunk_size, self.num_heads, self.head_dim = metadata.kv_shape  # planes: 1 with MLA
+        planes, num_layers, chunk_size, hidden = self.meta_shapes[0]  # what LMCache allocates; planes: 1 with MLA
+        self.num_heads, self.head_dim = metadata.kv_shape[3], metadata.kv_shape[4]
+        if self.num_heads * self.head_dim != hidden:
+            raise InvalidArgument(f"LMCache's chunks hold {hidden} values per token and layer, not {self.num_heads} heads × {self.head_dim}.")
         layout = KVLayout(num_layers, self.num_heads, self.head_dim, chunk_size, layout_dtype(metadata.kv_dtype), planes)
         namespace = Namespace(
             model_id=metadata.model_name,

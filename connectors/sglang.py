@@ -69,6 +69,8 @@ class HostPoolPages:
         self.page_size: int = pool.page_size
         self.buffer: torch.Tensor = pool.kv_buffer
         known = self._MLA if is_mla else self._MHA
+        if not isinstance(self.buffer, torch.Tensor):
+            raise InvalidArgument("this SGLang host pool holds no KV buffer of its own (a hybrid model's logical pool); kvstore stores MHA and MLA pools.")
         if self.layout not in known or self.buffer.dim() != known[self.layout][0]:
             raise InvalidArgument(
                 f"kvstore cannot address an SGLang {'MLA' if is_mla else 'MHA'} host pool with layout {self.layout!r} "

@@ -8,6 +8,11 @@ STAMP  := $(VENV)/.kvstore-installed
 TORCH_CPU_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS    ?=
+# The SGLang and LMCache test environment (see its block at the end).
+ENGINES_VENV  ?= .venv-engines
+ENGINES_PY    := $(ENGINES_VENV)/bin/python
+ENGINES_STAMP := $(ENGINES_VENV)/.kvstore-installed
+SGLANG_SPEC   ?= sglang==0.5.23
 
 .PHONY: venv test test-fast bench bench-quick demo proto clean
 
@@ -22,21 +27,23 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e '.[dev,ucx]'
 	touch $@
 
-test: $(STAMP)
+test: $(STAMP) $(ENGINES_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(STAMP) $(ENGINES_STAMP)
 	$(PY) -m bench.tiers
 	$(PY) -m bench.daemon
 	$(PY) -m bench.index
+	$(ENGINES_PY) -m bench.lmcache
 
-bench-quick: $(STAMP)
+bench-quick: $(STAMP) $(ENGINES_STAMP)
 	$(PY) -m bench.tiers --quick
 	$(PY) -m bench.daemon --quick
 	$(PY) -m bench.index --quick
+	$(ENGINES_PY) -m bench.lmcache --quick
 
 demo: $(STAMP)
 	$(PY) -m kvstore.demo
@@ -48,3 +55,21 @@ proto: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# --- SGLang and LMCache environment ---------------------------------------------------
+# tests/test_engine_connectors.py runs tests/engines/*_suite.py, and bench.lmcache runs,
+# with this venv's python: LMCache pins numpy, setuptools and its CUDA libraries, and
+# sglang installs only without its dependencies, so neither goes into .venv.
+
+.PHONY: engines-venv
+engines-venv: $(ENGINES_STAMP)
+
+$(ENGINES_STAMP): pyproject.toml Makefile tests/engines/requirements.txt tests/engines/constraints.txt
+	test -x $(ENGINES_PY) || $(PYTHON) -m venv $(ENGINES_VENV)
+	$(ENGINES_PY) -m pip install --quiet --upgrade pip setuptools wheel
+	if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi >/dev/null 2>&1; then \
+		$(ENGINES_PY) -m pip install --quiet "$(TORCH_CPU_SPEC)" $(TORCH_PIP_ARGS); \
+	fi
+	$(ENGINES_PY) -m pip install --quiet -c tests/engines/constraints.txt -r tests/engines/requirements.txt -e .
+	$(ENGINES_PY) -m pip install --quiet --no-deps "$(SGLANG_SPEC)"
+	touch $@

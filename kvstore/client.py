@@ -24,10 +24,11 @@ prefix is larger than the host tier can lease at once. ``KVStoreClient`` is bloc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import msgpack
 import torch
@@ -249,6 +250,34 @@ class KVStoreClient:
     def handoff_close(self, transfer_id: str) -> None:
         """Done reading; the blocks stay in the store."""
         self._call(Op.HANDOFF_CLOSE, transfer_id)
+
+    # -- slab access in place: for connectors whose engine memory is strided (SGLang's
+    # host pool, LMCache's chunks), so bytes move in one strided copy, not two ------------
+    @contextlib.contextmanager
+    def writing(self, namespace: bytes, hashes: Sequence[BlockHash], parent_hash: BlockHash | None = None) -> Iterator[list[tuple[int, torch.Tensor]]]:
+        """Reserve slots for the blocks of ``hashes`` not cached yet and yield ``(index in
+        hashes, slab bytes)`` for each; the caller fills them. Committed when the ``with``
+        body finishes, aborted when it raises, so a half-written block is never visible."""
+        nbytes = self._codec.nbytes(namespace)
+        reservation_id, placements = self._call(Op.RESERVE, namespace, pack_hashes(hashes), parent_hash)
+        try:
+            yield [(index, self._codec.slab.view(Slot(offset, nbytes), nbytes)) for index, offset in placements]
+        except BaseException:
+            self._call(Op.ABORT, reservation_id)
+            raise
+        self._call(Op.COMMIT, reservation_id, None)
+
+    @contextlib.contextmanager
+    def reading(self, namespace: bytes, hashes: Sequence[BlockHash]) -> Iterator[list[torch.Tensor]]:
+        """Lease the longest cached prefix of ``hashes`` (as much of it as the host tier can
+        hold at once) and yield the slab bytes of its blocks, valid until the ``with`` body
+        ends; the lease keeps them from being evicted or overwritten meanwhile."""
+        nbytes = self._codec.nbytes(namespace)
+        lease_id, offsets = self._call(Op.ACQUIRE, namespace, pack_hashes(hashes))
+        try:
+            yield [self._codec.slab.view(Slot(offset, nbytes), nbytes) for offset in offsets]
+        finally:
+            self._send(Op.RELEASE | Op.NO_REPLY, lease_id)
 
     def close(self) -> None:
         self._codec.close()

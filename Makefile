@@ -32,11 +32,13 @@ bench: $(STAMP)
 	$(PY) -m bench.tiers
 	$(PY) -m bench.daemon
 	$(PY) -m bench.index
+	$(PY) -m bench.transport
 
 bench-quick: $(STAMP)
 	$(PY) -m bench.tiers --quick
 	$(PY) -m bench.daemon --quick
 	$(PY) -m bench.index --quick
+	$(PY) -m bench.transport --quick
 
 demo: $(STAMP)
 	$(PY) -m kvstore.demo

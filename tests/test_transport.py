@@ -171,7 +171,7 @@ def test_send_many_delivers_a_window_of_blocks_in_order(kind):
         async with connected(kind) as (client, server):
             destination = memoryview(bytearray(sum(sizes)))
             receiving = asyncio.ensure_future(receive_blocks(server, destination, len(sizes)))
-            await client.send_many([block_frame(i, p) for i, p in enumerate(payloads)])
+            await client.send_many(block_frame(i, p) for i, p in enumerate(payloads))  # a generator, consumed lazily
             headers = await receiving
             assert [h.sequence for h in headers] == list(range(len(sizes)))
             assert [h.key for h in headers] == [key_of(i) for i in range(len(sizes))]

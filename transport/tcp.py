@@ -15,10 +15,11 @@ is marked broken: every later call fails rather than read a payload as a header.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import socket
-from typing import Callable, Sequence
+from typing import Callable, Iterable
 
 from kvstore.errors import CorruptBlock, InvalidArgument, TransferFailed
 from kvstore.transport.base import Buffer, Channel, ChannelHandler, Transport, split_address
@@ -30,18 +31,19 @@ __all__ = ["TcpTransport"]
 
 logger = logging.getLogger(__name__)
 
-# Deep socket buffers keep a window of multi-MiB blocks in flight without waiting for the
-# receiver to be scheduled (the kernel caps the request at net.core.[rw]mem_max).
-SOCKET_BUFFER_BYTES = 4 << 20
 IOV_MAX = os.sysconf("SC_IOV_MAX")
+# a receiver waiting for a large payload is woken per this many bytes (SO_RCVLOWAT), not
+# per segment: each wake-up costs an event-loop turn
+WAKE_BYTES = 1 << 20
 LISTEN_BACKLOG = 128
 
 
 def tune(sock: socket.socket) -> None:
+    """Non-blocking, no Nagle delay for headers and control frames. The buffer sizes stay
+    with the kernel's autotuning (net.ipv4.tcp_[rw]mem), which outgrows any fixed size a
+    socket could ask for without privileges; setting SO_RCVBUF would switch it off."""
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
 
 
 class _TcpChannel(Channel):
@@ -51,19 +53,22 @@ class _TcpChannel(Channel):
         self._loop = asyncio.get_running_loop()
         self._waiters: set[asyncio.Future] = set()  # readiness waits that close must wake
         self._header = bytearray(HEADER_BYTES)
+        self._header_bytes = 0  # how much of the next header is already in self._header
         self._pending_length: int | None = None  # the payload length recv_payload must read next
         self._broken = ""  # why the stream can no longer be trusted
+        self._wake_bytes = 1  # the socket's SO_RCVLOWAT
         self._closed = False
 
     # -- sending ---------------------------------------------------------------------
     async def send(self, header: FrameHeader, payload: Buffer = b"") -> None:
         await self.send_many([(header, payload)])
 
-    async def send_many(self, frames: Sequence[tuple[FrameHeader, Buffer]]) -> None:
+    async def send_many(self, frames: Iterable[tuple[FrameHeader, Buffer]]) -> None:
         """Gathered writes of up to ``transport.window_blocks`` frames each."""
-        for start in range(0, len(frames), self._frames_per_write):
+        frames = iter(frames)
+        while window := list(itertools.islice(frames, self._frames_per_write)):
             views: list[memoryview] = []
-            for header, payload in frames[start : start + self._frames_per_write]:
+            for header, payload in window:
                 payload_view = byte_view(payload)
                 if payload_view.nbytes != header.length:
                     raise InvalidArgument(f"a frame announced {header.length} bytes with a {payload_view.nbytes}-byte payload.")
@@ -100,7 +105,16 @@ class _TcpChannel(Channel):
     async def recv_header(self) -> FrameHeader:
         if self._pending_length:
             raise InvalidArgument("recv_header was called before the previous frame's payload was received.")
-        await self._read_exactly(memoryview(self._header), "frame header", at_boundary=True)
+        header_view = memoryview(self._header)
+        while self._header_bytes < HEADER_BYTES:  # progress is kept: a cancelled wait loses nothing
+            count = await self._receive([header_view[self._header_bytes :]], HEADER_BYTES - self._header_bytes)
+            if count == 0:
+                self._broken = "the peer closed the connection"
+                if self._header_bytes == 0:
+                    raise TransferFailed(f"the peer {self.peer} closed the channel.")
+                raise TransferFailed(f"the peer {self.peer} closed the connection {self._header_bytes} bytes into a frame header.")
+            self._header_bytes += count
+        self._header_bytes = 0
         try:
             header = FrameHeader.unpack(self._header)
         except CorruptBlock:
@@ -110,38 +124,47 @@ class _TcpChannel(Channel):
         return header
 
     async def recv_payload(self, into: memoryview) -> None:
+        """Receive into ``into``; what arrives beyond it is the next header, read by the same
+        system call into the header buffer (payload bytes are never staged)."""
         view = byte_view(into)
         if self._pending_length is None or view.nbytes != self._pending_length:
             raise InvalidArgument("recv_payload must follow recv_header with a buffer of the announced length.")
-        if view.nbytes:
-            await self._read_exactly(view, f"{view.nbytes}-byte payload", at_boundary=False)
-        self._pending_length = None
-
-    async def _read_exactly(self, view: memoryview, what: str, at_boundary: bool) -> None:
-        """Fill ``view``; ``at_boundary``: nothing of the frame was read before this."""
-        self._check_usable()
+        header_view = memoryview(self._header)
         got, total = 0, view.nbytes
         try:
             while got < total:
-                try:
-                    count = self._sock.recv_into(view[got:])
-                except (BlockingIOError, InterruptedError):
-                    await self._ready(self._loop.add_reader, self._loop.remove_reader)
-                    continue
-                except OSError as exc:
-                    raise self._failure(exc) from exc
+                count = await self._receive([view[got:], header_view[self._header_bytes :]], min(total - got, WAKE_BYTES))
                 if count == 0:
                     self._broken = "the peer closed the connection"
-                    if got == 0 and at_boundary:
-                        raise TransferFailed(f"the peer {self.peer} closed the channel.")
-                    raise TransferFailed(f"the peer {self.peer} closed the connection {got} bytes into a {what}; the frame was dropped.")
-                got += count
+                    raise TransferFailed(f"the peer {self.peer} closed the connection {got} bytes into a {total}-byte payload; the frame was dropped.")
+                beyond = max(0, got + count - total)
+                got += count - beyond
+                self._header_bytes += beyond
         except BaseException:
-            if got < total and (got or not at_boundary):
-                self._broken = self._broken or "a receive stopped in the middle of a frame"
+            if got < total:
+                self._broken = self._broken or "a receive stopped in the middle of a payload"
             raise
+        self._pending_length = None
+
+    async def _receive(self, buffers: list[memoryview], wake_bytes: int) -> int:
+        """One scattered read; when nothing is there, wait until ``wake_bytes`` are."""
+        self._check_usable()
+        while True:
+            try:
+                return self._sock.recvmsg_into(buffers)[0]
+            except (BlockingIOError, InterruptedError):
+                self._wake_at(wake_bytes)
+                await self._ready(self._loop.add_reader, self._loop.remove_reader)
+            except OSError as exc:
+                raise self._failure(exc) from exc
 
     # -- plumbing --------------------------------------------------------------------
+    def _wake_at(self, nbytes: int) -> None:
+        """Be woken when ``nbytes`` have arrived (or the peer closes), not at every segment."""
+        if nbytes != self._wake_bytes:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+            self._wake_bytes = nbytes
+
     async def _ready(self, watch: Callable, unwatch: Callable) -> None:
         waiter = self._loop.create_future()
         watch(self._sock, _wake, waiter)

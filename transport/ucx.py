@@ -27,7 +27,7 @@ import collections
 import contextlib
 import itertools
 import os
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator
 
 from kvstore.errors import CorruptBlock, InvalidArgument, TierUnavailable, TransferFailed
 from kvstore.transport.base import Buffer, Channel, ChannelHandler, Transport, split_address
@@ -75,7 +75,7 @@ class _UcxChannel(Channel):
     async def send(self, header: FrameHeader, payload: Buffer = b"") -> None:
         await self.send_many([(header, payload)])
 
-    async def send_many(self, frames: Sequence[tuple[FrameHeader, Buffer]]) -> None:
+    async def send_many(self, frames: Iterable[tuple[FrameHeader, Buffer]]) -> None:
         self._check_usable()
         loop = asyncio.get_running_loop()
         in_flight: collections.deque[asyncio.Task] = collections.deque()

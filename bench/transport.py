@@ -1,0 +1,323 @@
+"""Transport throughput and overlap against same-run raw baselines.
+
+    python -m bench.transport [--quick] [--json]
+
+The sender is another process (bench/transport_sender.py), as peer daemons are; this
+process receives. For each block size (256 KiB, 1 MiB, 4 MiB), 64 MiB (32 with --quick):
+- kvstore over TCP and over UCX: each block one frame (header + payload), its checksum
+  computed by the sender in the timed loop and verified here, the payload received
+  straight into its slice of a preallocated destination buffer;
+- raw baselines, same bytes, same processes: a blocking socket ``sendall`` of everything
+  against ``recv_into`` (TCP target: kvstore ≥ 0.8× of it); ucxx tagged send/recv of
+  everything as one buffer (UCX target ≥ 0.8×), and of the bare blocks, the window of
+  blocks in flight that kvstore uses (reported beside it).
+Overlap efficiency: the blocks received while a consumer thread runs a matmul over each
+received block (a layer's compute, sized to take as long as the transfer) — total time ÷
+max(transfer alone, compute alone); target ≤ 1.15.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.report import Report, gbps, parse_args
+from kvstore.errors import TierUnavailable
+from kvstore.transport.config import TransportConfig
+from kvstore.transport.factory import open_transport
+from kvstore.transport.ucx import import_ucxx
+from kvstore.transport.wire import FrameKind, control_header, encode_control
+
+KiB, MiB = 1024, 1024 * 1024
+BLOCK_SIZES = (256 * KiB, MiB, 4 * MiB)
+OVERLAP_BLOCK_BYTES = MiB
+WINDOW = TransportConfig().window_blocks
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def sender(mode: str, address: str, total_bytes: int):
+    command = [sys.executable, "-m", "bench.transport_sender", mode, address, str(total_bytes), str(WINDOW)]
+    process = subprocess.Popen(command, cwd=ROOT)
+    try:
+        yield process
+        process.wait(timeout=60)
+    finally:
+        process.kill()
+        process.wait()
+
+
+def request(block_bytes: int) -> tuple:
+    payload = encode_control({"block_bytes": block_bytes})
+    return control_header(FrameKind.CONTROL, 1, payload), payload
+
+
+# -- links: one sender process each, run(block_bytes) -> seconds ---------------------
+class FramedLink:
+    """kvstore's transport: frames with checksums, each payload received into its slice."""
+
+    def __init__(self, kind: str, destination: memoryview) -> None:
+        self.kind, self.destination = kind, destination
+
+    async def __aenter__(self) -> "FramedLink":
+        self.transport = open_transport(TransportConfig(kind=self.kind, window_blocks=WINDOW))
+        accepted: asyncio.Queue = asyncio.Queue()
+        self.finished = asyncio.Event()
+
+        async def on_channel(channel):
+            await accepted.put(channel)
+            await self.finished.wait()
+
+        address = await self.transport.listen("127.0.0.1", 0, on_channel)
+        self.sender = start_sender(f"kvstore-{self.kind}", address, len(self.destination))
+        self.channel = await asyncio.wait_for(accepted.get(), 60)
+        return self
+
+    async def run(self, block_bytes: int, consume=None) -> float:
+        start = time.perf_counter()
+        await self.channel.send(*request(block_bytes))
+        offset, pending = 0, []
+        loop = asyncio.get_running_loop()
+        while offset < len(self.destination):
+            header = await self.channel.recv_header()
+            slot = self.destination[offset : offset + header.length]
+            await self.channel.recv_payload(slot)
+            header.verify(slot)
+            if consume is not None:
+                pending.append(loop.run_in_executor(consume[0], consume[1], slot))
+            offset += header.length
+        await asyncio.gather(*pending)
+        return time.perf_counter() - start
+
+    async def __aexit__(self, *exc_info) -> None:
+        with contextlib.suppress(Exception):
+            await self.channel.send(*request(0))
+        stop_sender(self.sender)
+        self.finished.set()
+        await self.transport.close()
+
+
+class RawSocketLink:
+    """A blocking socket: the sender's one ``sendall`` of everything, ``recv_into`` here."""
+
+    def __init__(self, destination: memoryview) -> None:
+        self.destination = destination
+
+    async def __aenter__(self) -> "RawSocketLink":
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            server.settimeout(60)
+            self.sender = start_sender("raw-tcp", f"tcp://127.0.0.1:{server.getsockname()[1]}", len(self.destination))
+            self.conn, _ = server.accept()
+        self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self
+
+    async def run(self, block_bytes: int) -> float:
+        start = time.perf_counter()
+        self.conn.sendall(block_bytes.to_bytes(8, "little"))
+        got = 0
+        while got < len(self.destination):
+            got += self.conn.recv_into(self.destination[got:])
+        return time.perf_counter() - start
+
+    async def __aexit__(self, *exc_info) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.sendall(bytes(8))
+        stop_sender(self.sender)
+        self.conn.close()
+
+
+class RawUcxLink:
+    """ucxx tagged messages of the bare blocks (one message when the block is everything)."""
+
+    def __init__(self, destination: memoryview) -> None:
+        self.destination = destination
+
+    async def __aenter__(self) -> "RawUcxLink":
+        ucxx = import_ucxx(TransportConfig(kind="ucx"))
+        accepted: asyncio.Queue = asyncio.Queue()
+        self.finished = asyncio.Event()
+
+        async def on_endpoint(endpoint):
+            await accepted.put(endpoint)
+            await self.finished.wait()
+
+        self.listener = ucxx.create_listener(on_endpoint, 0)
+        self.sender = start_sender("raw-ucx", f"ucx://127.0.0.1:{self.listener.port}", len(self.destination))
+        self.endpoint = await asyncio.wait_for(accepted.get(), 60)
+        return self
+
+    async def run(self, block_bytes: int) -> float:
+        start = time.perf_counter()
+        await self.endpoint.send(block_bytes.to_bytes(8, "little"))
+        for offset in range(0, len(self.destination), block_bytes):
+            await self.endpoint.recv(self.destination[offset : offset + block_bytes])
+        return time.perf_counter() - start
+
+    async def __aexit__(self, *exc_info) -> None:
+        with contextlib.suppress(Exception):
+            await self.endpoint.send(bytes(8))
+        stop_sender(self.sender)
+        await self.endpoint.close()
+        self.finished.set()
+        self.listener.close()
+
+
+def start_sender(mode: str, address: str, total_bytes: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "bench.transport_sender", mode, address, str(total_bytes), str(WINDOW)]
+    return subprocess.Popen(command, cwd=ROOT)
+
+
+def stop_sender(process: subprocess.Popen) -> None:
+    try:
+        process.wait(timeout=30)
+    finally:
+        process.kill()
+        process.wait()
+
+
+def request(block_bytes: int) -> tuple:
+    payload = encode_control({"block_bytes": block_bytes})
+    return control_header(FrameKind.CONTROL, 1, payload), payload
+
+
+# -- overlap ---------------------------------------------------------------------------
+class LayerCompute:
+    """A stand-in for a layer's compute over each received block: small matmuls over its
+    bytes, repeated so that computing every block takes about as long as receiving them."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.weight = torch.randn(1024, 16, device=device)
+        self.repeats = 1
+
+    def __call__(self, block: memoryview) -> None:
+        rows = torch.frombuffer(block, dtype=torch.uint8).view(-1, 1024).to(self.device, torch.float32)
+        for _ in range(self.repeats):
+            rows @ self.weight
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def calibrate(self, block: memoryview, seconds_per_block: float) -> None:
+        self.repeats = 1
+        self(block)
+        once = min(timed(lambda: self(block)) for _ in range(5))
+        self.repeats = 20
+        twenty = min(timed(lambda: self(block)) for _ in range(3))
+        per_matmul = max((twenty - once) / 19, 1e-7)
+        self.repeats = max(1, round(1 + (seconds_per_block - once) / per_matmul))
+
+
+async def bench_overlap(link: FramedLink, repeats: int) -> dict:
+    compute = LayerCompute("cuda" if torch.cuda.is_available() else "cpu")
+    blocks = [link.destination[offset : offset + OVERLAP_BLOCK_BYTES] for offset in range(0, len(link.destination), OVERLAP_BLOCK_BYTES)]
+    transfer = min([await link.run(OVERLAP_BLOCK_BYTES) for _ in range(repeats)])
+    compute.calibrate(blocks[0], transfer / len(blocks))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        together, alone = [], []
+        for _ in range(repeats):  # interleaved, so that both see the same machine
+            alone.append(await asyncio.get_running_loop().run_in_executor(pool, lambda: timed(lambda: [compute(b) for b in blocks])))
+            together.append(await link.run(OVERLAP_BLOCK_BYTES, (pool, compute)))
+            transfer = min(transfer, await link.run(OVERLAP_BLOCK_BYTES))
+    return {
+        "transfer_s": transfer,
+        "compute_s": min(alone),
+        "together_s": min(together),
+        "efficiency": min(together) / max(transfer, min(alone)),
+        "device": compute.device,
+        "matmuls_per_block": compute.repeats,
+    }
+
+
+async def bench_links(total_bytes: int, has_ucx: bool, repeats: int) -> dict:
+    """Best seconds per (link, block size); the links take turns so that each sees the
+    same machine (other work on it shifts every figure alike)."""
+    destination = memoryview(bytearray(total_bytes))
+    async with contextlib.AsyncExitStack() as stack:
+        links = {
+            "raw_tcp": await stack.enter_async_context(RawSocketLink(destination)),
+            "kvstore_tcp": await stack.enter_async_context(FramedLink("tcp", destination)),
+        }
+        if has_ucx:
+            links["raw_ucx_blocks"] = await stack.enter_async_context(RawUcxLink(destination))
+            links["kvstore_ucx"] = await stack.enter_async_context(FramedLink("ucx", destination))
+        best: dict = {}
+        for _ in range(repeats):
+            for block_bytes in BLOCK_SIZES:
+                for name, link in links.items():
+                    seconds = await link.run(block_bytes)
+                    best[name, block_bytes] = min(seconds, best.get((name, block_bytes), seconds))
+            if has_ucx:
+                seconds = await links["raw_ucx_blocks"].run(total_bytes)
+                best["raw_ucx_buffer"] = min(seconds, best.get("raw_ucx_buffer", seconds))
+        for kind in ("tcp", "ucx") if has_ucx else ("tcp",):
+            best["overlap", kind] = await bench_overlap(links[f"kvstore_{kind}"], repeats)
+    return best
+
+
+def timed(work) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+# -- report ----------------------------------------------------------------------------
+def label_of(block_bytes: int) -> str:
+    return f"{block_bytes // KiB}KiB" if block_bytes < MiB else f"{block_bytes // MiB}MiB"
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    total, repeats = (32 * MiB, 3) if args.quick else (64 * MiB, 7)
+    torch.set_num_threads(1)  # the consumer is one thread, as a layer's host-side work would be
+    report = Report("transport")
+    try:
+        import_ucxx(TransportConfig(kind="ucx"))  # the UCX defaults reach the senders' environment too
+        has_ucx = True
+    except TierUnavailable as exc:
+        print(f"UCX rows skipped: {exc}")
+        has_ucx = False
+    best = asyncio.run(bench_links(total, has_ucx, repeats))
+
+    rows = []
+    for block_bytes in BLOCK_SIZES:
+        label = label_of(block_bytes)
+        row = {"block_bytes": block_bytes, **{f"{name}_gbps": gbps(total, best[name, block_bytes]) for name in ("raw_tcp", "kvstore_tcp")}}
+        report.ratio(f"tcp_vs_raw_socket_{label}", row["kvstore_tcp_gbps"] / row["raw_tcp_gbps"], ">= 0.8")
+        cells = [label, row["raw_tcp_gbps"], row["kvstore_tcp_gbps"], row["kvstore_tcp_gbps"] / row["raw_tcp_gbps"]]
+        if has_ucx:
+            row |= {f"{name}_gbps": gbps(total, best[name, block_bytes]) for name in ("raw_ucx_blocks", "kvstore_ucx")}
+            row["raw_ucx_buffer_gbps"] = gbps(total, best["raw_ucx_buffer"])
+            report.ratio(f"ucx_vs_raw_ucx_buffer_{label}", row["kvstore_ucx_gbps"] / row["raw_ucx_buffer_gbps"], ">= 0.8")
+            report.ratio(f"ucx_vs_raw_ucx_blocks_{label}", row["kvstore_ucx_gbps"] / row["raw_ucx_blocks_gbps"], ">= 0.8")
+            cells += [row["raw_ucx_buffer_gbps"], row["raw_ucx_blocks_gbps"], row["kvstore_ucx_gbps"]]
+            cells += [row["kvstore_ucx_gbps"] / row["raw_ucx_buffer_gbps"], row["kvstore_ucx_gbps"] / row["raw_ucx_blocks_gbps"]]
+        report.results.append(row)
+        rows.append(cells)
+    columns = ["block", "raw socket", "kv tcp", "tcp/raw"]
+    columns += ["raw ucx 1 msg", "raw ucx blocks", "kv ucx", "ucx/1 msg", "ucx/blocks"] if has_ucx else []
+    report.print_table(f"throughput (GB/s, best of {repeats}, {total // MiB} MiB from a sender process; kvstore: framed, checksummed, received in place)", columns, rows)
+
+    overlap_rows = []
+    for kind in ("tcp", "ucx") if has_ucx else ("tcp",):
+        overlap = best["overlap", kind]
+        report.results.append({"overlap": kind, **overlap})
+        report.ratio(f"overlap_{kind}", overlap["efficiency"], "<= 1.15")
+        overlap_rows.append([kind, overlap["device"], overlap["transfer_s"], overlap["compute_s"], overlap["together_s"], overlap["efficiency"]])
+    report.print_table(
+        f"overlap ({OVERLAP_BLOCK_BYTES // MiB} MiB blocks consumed by a matmul thread as they arrive; efficiency = together / max(transfer, compute))",
+        ["transport", "compute on", "transfer s", "compute s", "together s", "efficiency"],
+        overlap_rows,
+    )
+    report.emit(args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -6,7 +6,8 @@ sends the same bytes in blocks of the size the receiver asks for.
 MODE is one of
     kvstore-tcp, kvstore-ucx   block frames through the transport: each block's checksum
                                is computed in the timed loop, frames go by send_many
-    raw-tcp                    one blocking sendall of all the bytes (the block size is ignored)
+    raw-tcp                    blocking sockets: one sendall of all the bytes (a block size
+                               equal to TOTAL_BYTES), or each block's header and payload
     raw-ucx                    ucxx tagged sends of the bare blocks, WINDOW blocks in flight
                                (a block size equal to TOTAL_BYTES: one message)
 
@@ -56,9 +57,16 @@ def send_raw_tcp(address: str, data: memoryview) -> None:
             view, got = memoryview(request), 0
             while got < 8:
                 got += sock.recv_into(view[got:])
-            if not int.from_bytes(request, "little"):
+            block_bytes = int.from_bytes(request, "little")
+            if not block_bytes:
                 return
-            sock.sendall(data)
+            if block_bytes == len(data):
+                sock.sendall(data)
+                continue
+            for index, offset in enumerate(range(0, len(data), block_bytes)):
+                block = data[offset : offset + block_bytes]
+                sock.sendall(block_header(1, NAMESPACE, index.to_bytes(16, "little"), block, index).pack())
+                sock.sendall(block)
 
 
 async def send_raw_ucx(address: str, data: memoryview, window: int) -> None:

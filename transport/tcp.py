@@ -21,10 +21,10 @@ import os
 import socket
 from typing import Callable, Iterable
 
-from kvstore.errors import CorruptBlock, InvalidArgument, TransferFailed
+from kvstore.errors import InvalidArgument, TransferFailed
 from kvstore.transport.base import Buffer, Channel, ChannelHandler, Transport, split_address
 from kvstore.transport.config import TransportConfig
-from kvstore.transport.serving import ChannelRegistry, address_of, byte_view
+from kvstore.transport.serving import ChannelRegistry, FramedChannel, address_of
 from kvstore.transport.wire import HEADER_BYTES, FrameHeader
 
 __all__ = ["TcpTransport"]
@@ -46,18 +46,16 @@ def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-class _TcpChannel(Channel):
+class _TcpChannel(FramedChannel):
     def __init__(self, sock: socket.socket, peer: str, frames_per_write: int, forget: Callable[[Channel], None]) -> None:
-        self._sock, self.peer, self._forget = sock, peer, forget
+        super().__init__(peer, forget)
+        self._sock = sock
         self._frames_per_write = min(frames_per_write, IOV_MAX // 2)
         self._loop = asyncio.get_running_loop()
         self._waiters: set[asyncio.Future] = set()  # readiness waits that close must wake
         self._header = bytearray(HEADER_BYTES)
         self._header_bytes = 0  # how much of the next header is already in self._header
-        self._pending_length: int | None = None  # the payload length recv_payload must read next
-        self._broken = ""  # why the stream can no longer be trusted
         self._wake_bytes = 1  # the socket's SO_RCVLOWAT
-        self._closed = False
 
     # -- sending ---------------------------------------------------------------------
     async def send(self, header: FrameHeader, payload: Buffer = b"") -> None:
@@ -69,9 +67,7 @@ class _TcpChannel(Channel):
         while window := list(itertools.islice(frames, self._frames_per_write)):
             views: list[memoryview] = []
             for header, payload in window:
-                payload_view = byte_view(payload)
-                if payload_view.nbytes != header.length:
-                    raise InvalidArgument(f"a frame announced {header.length} bytes with a {payload_view.nbytes}-byte payload.")
+                payload_view = self._outgoing_payload(header, payload)
                 views.append(memoryview(header.pack()))
                 if header.length:
                     views.append(payload_view)
@@ -98,51 +94,42 @@ class _TcpChannel(Channel):
                         views[index], sent = views[index][sent:], 0
         except BaseException:
             if progressed and index < len(views):
-                self._broken = self._broken or "a send stopped in the middle of a frame"
+                self._break("a send stopped in the middle of a frame")
             raise
 
     # -- receiving -------------------------------------------------------------------
     async def recv_header(self) -> FrameHeader:
-        if self._pending_length:
-            raise InvalidArgument("recv_header was called before the previous frame's payload was received.")
+        self._expect_header()
         header_view = memoryview(self._header)
         while self._header_bytes < HEADER_BYTES:  # progress is kept: a cancelled wait loses nothing
             count = await self._receive([header_view[self._header_bytes :]], HEADER_BYTES - self._header_bytes)
             if count == 0:
-                self._broken = "the peer closed the connection"
+                self._break("the peer closed the connection")
                 if self._header_bytes == 0:
                     raise TransferFailed(f"the peer {self.peer} closed the channel.")
                 raise TransferFailed(f"the peer {self.peer} closed the connection {self._header_bytes} bytes into a frame header.")
             self._header_bytes += count
         self._header_bytes = 0
-        try:
-            header = FrameHeader.unpack(self._header)
-        except CorruptBlock:
-            self._broken = "a frame header failed its checks"
-            raise
-        self._pending_length = header.length
-        return header
+        return self._accept_header(self._header)
 
     async def recv_payload(self, into: memoryview) -> None:
         """Receive into ``into``; what arrives beyond it is the next header, read by the same
         system call into the header buffer (payload bytes are never staged)."""
-        view = byte_view(into)
-        if self._pending_length is None or view.nbytes != self._pending_length:
-            raise InvalidArgument("recv_payload must follow recv_header with a buffer of the announced length.")
+        view = self._incoming_payload(into)
         header_view = memoryview(self._header)
         got, total = 0, view.nbytes
         try:
             while got < total:
                 count = await self._receive([view[got:], header_view[self._header_bytes :]], min(total - got, WAKE_BYTES))
                 if count == 0:
-                    self._broken = "the peer closed the connection"
+                    self._break("the peer closed the connection")
                     raise TransferFailed(f"the peer {self.peer} closed the connection {got} bytes into a {total}-byte payload; the frame was dropped.")
                 beyond = max(0, got + count - total)
                 got += count - beyond
                 self._header_bytes += beyond
         except BaseException:
             if got < total:
-                self._broken = self._broken or "a receive stopped in the middle of a payload"
+                self._break("a receive stopped in the middle of a payload")
             raise
         self._pending_length = None
 
@@ -176,21 +163,13 @@ class _TcpChannel(Channel):
             if not self._closed:
                 unwatch(self._sock)
 
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise TransferFailed(f"the channel to {self.peer} is closed.")
-        if self._broken:
-            raise TransferFailed(f"the channel to {self.peer} is out of step ({self._broken}); open a new one.")
-
     def _failure(self, exc: OSError) -> TransferFailed:
-        self._broken = self._broken or "the connection broke"
+        self._break("the connection broke")
         return TransferFailed(f"the connection to {self.peer} broke: {exc.strerror or exc}.")
 
     async def close(self) -> None:
-        if self._closed:
+        if not self._mark_closed():
             return
-        self._closed = True
-        self._forget(self)
         self._loop.remove_reader(self._sock)
         self._loop.remove_writer(self._sock)
         for waiter in self._waiters:

@@ -344,6 +344,29 @@ def test_ucx_frames_tampered_at_the_sender_are_refused(ucx):
     run(body())
 
 
+def test_ucx_cancelled_payload_receive_never_lands_later(ucx):
+    """A payload receive given up (a deadline) must not fill the slot afterwards: by then
+    the caller may have handed the slot to another block."""
+    payload = pattern(256 * KiB, 9)
+
+    async def body():
+        async with connected(ucx) as (client, server):
+            header, _ = block_frame(0, payload)
+            await client._endpoint.send(header.pack())  # the header alone; the payload comes late
+            assert (await server.recv_header()).length == len(payload)
+            slot = bytearray(len(payload))
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(server.recv_payload(memoryview(slot)), 0.5)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client._endpoint.send(payload), 2)
+            await asyncio.sleep(0.5)
+            assert slot == bytes(len(payload))
+            with pytest.raises(TransferFailed, match="out of step"):
+                await server.recv_header()
+
+    run(body())
+
+
 def test_tcp_peer_gone_in_the_middle_of_a_payload_is_a_transfer_failure():
     payload = pattern(256 * KiB, 8)
 

@@ -87,10 +87,11 @@ class _UcxChannel(FramedChannel):
                         await in_flight.popleft()
                 while in_flight:
                     await in_flight.popleft()
+        except InvalidArgument:  # a malformed frame, refused before any of it was posted
+            await asyncio.gather(*in_flight, return_exceptions=True)
+            raise
         except BaseException:
-            self._break("a send stopped in the middle of a window")
-            for task in in_flight:
-                task.cancel()
+            self._abandon("a send stopped in the middle of a window")
             await asyncio.gather(*in_flight, return_exceptions=True)
             raise
 
@@ -108,8 +109,7 @@ class _UcxChannel(FramedChannel):
             with self._translated("receiving a frame header"):
                 await self._endpoint.recv(self._header)
         except asyncio.CancelledError:
-            # the posted receive may still take the next header: the stream is out of step
-            self._break("a header receive was cancelled")
+            self._abandon("a header receive was cancelled")
             raise
         return self._accept_header(memoryview(self._header)[:HEADER_BYTES])
 
@@ -123,11 +123,18 @@ class _UcxChannel(FramedChannel):
                 with self._translated(f"receiving a {view.nbytes}-byte payload"):
                     await self._endpoint.recv(view)
             except BaseException:
-                self._break("a payload receive did not finish")
+                self._abandon("a payload receive did not finish")
                 raise
         self._pending_length = None
 
     # -- plumbing --------------------------------------------------------------------
+    def _abandon(self, reason: str) -> None:
+        """Out of step, and the endpoint aborted at once: a receive UCX still holds would
+        otherwise land in a slot its caller has since given to another block, and a send
+        would go on reading a buffer its caller has let go."""
+        self._break(reason)
+        self._endpoint.abort()
+
     @contextlib.contextmanager
     def _translated(self, doing: str) -> Iterator[None]:
         """ucxx's exceptions as kvstore's, each a sentence that names the peer."""

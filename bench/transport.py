@@ -144,11 +144,9 @@ class RawUcxLink:
     async def __aenter__(self) -> "RawUcxLink":
         ucxx = import_ucxx(TransportConfig(kind="ucx"))
         accepted: asyncio.Queue = asyncio.Queue()
-        self.finished = asyncio.Event()
 
-        async def on_endpoint(endpoint):
+        async def on_endpoint(endpoint):  # the endpoint lives on in self.endpoint
             await accepted.put(endpoint)
-            await self.finished.wait()
 
         self.listener = ucxx.create_listener(on_endpoint, 0)
         self.sender = start_sender("raw-ucx", f"ucx://127.0.0.1:{self.listener.port}", len(self.destination))
@@ -167,7 +165,6 @@ class RawUcxLink:
             await self.endpoint.send(bytes(8))
         stop_sender(self.sender)
         await self.endpoint.close()
-        self.finished.set()
         self.listener.close()
 
 
@@ -242,26 +239,23 @@ async def bench_overlap(link: FramedLink, repeats: int) -> dict:
 
 
 async def bench_links(total_bytes: int, has_ucx: bool, repeats: int) -> dict:
-    """Best seconds per (link, block size); the links take turns so that each sees the
-    same machine (other work on it shifts every figure alike)."""
+    """Best seconds per (link, block size). TCP runs first, before UCX starts in this
+    process (ucxx's blocking progress keeps the event loop busy, which would slow every
+    other measurement); within a family the links take turns, so that each sees the same
+    machine (other work on it shifts every figure alike)."""
     destination = memoryview(bytearray(total_bytes))
-    async with contextlib.AsyncExitStack() as stack:
-        links = {
-            "raw_tcp": await stack.enter_async_context(RawSocketLink(destination)),
-            "kvstore_tcp": await stack.enter_async_context(FramedLink("tcp", destination)),
-        }
-        if has_ucx:
-            links["raw_ucx"] = await stack.enter_async_context(RawUcxLink(destination))
-            links["kvstore_ucx"] = await stack.enter_async_context(FramedLink("ucx", destination))
-        best: dict = {}
-        for _ in range(repeats):
-            for block_bytes in (total_bytes, *BLOCK_SIZES):  # total_bytes: the raw links' one message
-                for name, link in links.items():
-                    if block_bytes < total_bytes or name.startswith("raw"):
-                        seconds = await link.run(block_bytes)
-                        best[name, block_bytes] = min(seconds, best.get((name, block_bytes), seconds))
-        for kind in ("tcp", "ucx") if has_ucx else ("tcp",):
-            best["overlap", kind] = await bench_overlap(links[f"kvstore_{kind}"], repeats)
+    families = [("tcp", RawSocketLink(destination))] + ([("ucx", RawUcxLink(destination))] if has_ucx else [])
+    best: dict = {}
+    for kind, raw_link in families:
+        async with raw_link, FramedLink(kind, destination) as framed:
+            links = {f"raw_{kind}": raw_link, f"kvstore_{kind}": framed}
+            for _ in range(repeats):
+                for block_bytes in (total_bytes, *BLOCK_SIZES):  # total_bytes: the raw link's one message
+                    for name, link in links.items():
+                        if block_bytes < total_bytes or name.startswith("raw"):
+                            seconds = await link.run(block_bytes)
+                            best[name, block_bytes] = min(seconds, best.get((name, block_bytes), seconds))
+            best["overlap", kind] = await bench_overlap(framed, repeats)
     return best
 
 

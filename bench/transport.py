@@ -14,7 +14,8 @@ process receives. For each block size (256 KiB, 1 MiB, 4 MiB), 64 MiB (32 with -
   the window of blocks in flight that kvstore uses. Target for each: kvstore ≥ 0.8×.
 Overlap efficiency: the blocks received while a compute thread consumes each received
 block (passes over its bytes, sized to take as long as the transfer) — total time ÷
-max(transfer alone, compute alone); target ≤ 1.15.
+max(transfer alone, compute alone); target ≤ 1.15. Idle cost: the cores the receiving
+process uses while its channel is open and idle; target ≤ 0.05.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from kvstore.transport.wire import HEADER_BYTES, FrameHeader, FrameKind, control
 KiB, MiB = 1024, 1024 * 1024
 BLOCK_SIZES = (256 * KiB, MiB, 4 * MiB)
 OVERLAP_BLOCK_BYTES = MiB
+IDLE_SECONDS = 2.0
 WINDOW = TransportConfig().window_blocks
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -256,7 +258,15 @@ async def bench_links(total_bytes: int, has_ucx: bool, repeats: int) -> dict:
                             seconds = await link.run(block_bytes)
                             best[name, block_bytes] = min(seconds, best.get((name, block_bytes), seconds))
             best["overlap", kind] = await bench_overlap(framed, repeats)
+            best["idle_cpu", kind] = await idle_cpu(IDLE_SECONDS)
     return best
+
+
+async def idle_cpu(seconds: float) -> float:
+    """Cores this process uses while its channel is open and nothing moves."""
+    start_cpu, start = time.process_time(), time.perf_counter()
+    await asyncio.sleep(seconds)
+    return (time.process_time() - start_cpu) / (time.perf_counter() - start)
 
 
 def timed(work) -> float:
@@ -317,6 +327,13 @@ def main() -> None:
         ["transport", "compute on", "transfer s", "compute s", "together s", "efficiency"],
         overlap_rows,
     )
+    idle_rows = []
+    for kind in ("tcp", "ucx") if has_ucx else ("tcp",):
+        cores = best["idle_cpu", kind]
+        report.results.append({"idle_cpu": kind, "cores": cores})
+        report.ratio(f"idle_cores_{kind}", cores, "<= 0.05")
+        idle_rows.append([kind, cores])
+    report.print_table(f"idle cost (cores the receiving process uses over {IDLE_SECONDS:g} s with its channel open and no traffic)", ["transport", "cores"], idle_rows)
     report.emit(args.json)
 
 

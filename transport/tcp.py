@@ -2,8 +2,9 @@
 
 A frame goes out as one gathered ``sendmsg`` of its header and its payload (``send_many``
 gathers many frames into each call, so a window of blocks costs a few system calls and
-never a concatenation of payloads); a payload comes in by ``recv_into`` straight into the
-caller's buffer, which is the destination slot.
+never a concatenation of payloads); a payload comes in by ``recvmsg_into`` straight into
+the caller's buffer, which is the destination slot, and the same call takes the start of
+the next header into the header buffer.
 
 Readiness waits are this module's own (``add_reader`` / ``add_writer`` futures) rather
 than ``loop.sock_recv_into``: closing a socket does not wake a task parked in the loop's

@@ -37,12 +37,14 @@ bench: $(STAMP) $(ENGINES_STAMP)
 	$(PY) -m bench.tiers
 	$(PY) -m bench.daemon
 	$(PY) -m bench.index
+	$(PY) -m bench.transport
 	$(ENGINES_PY) -m bench.lmcache
 
 bench-quick: $(STAMP) $(ENGINES_STAMP)
 	$(PY) -m bench.tiers --quick
 	$(PY) -m bench.daemon --quick
 	$(PY) -m bench.index --quick
+	$(PY) -m bench.transport --quick
 	$(ENGINES_PY) -m bench.lmcache --quick
 
 demo: $(STAMP)

@@ -8,6 +8,11 @@ STAMP  := $(VENV)/.kvstore-installed
 TORCH_CPU_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS    ?=
+# The SGLang and LMCache test environment (see its block at the end).
+ENGINES_VENV  ?= .venv-engines
+ENGINES_PY    := $(ENGINES_VENV)/bin/python
+ENGINES_STAMP := $(ENGINES_VENV)/.kvstore-installed
+SGLANG_SPEC   ?= sglang==0.5.23
 # The vLLM test environment (see its block at the end).
 VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
@@ -27,22 +32,26 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e '.[dev,ucx]'
 	touch $@
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-bench: $(STAMP) $(VLLM_STAMP)
+bench: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 	$(PY) -m bench.tiers
 	$(PY) -m bench.daemon
 	$(PY) -m bench.index
+	$(PY) -m bench.transport
+	$(ENGINES_PY) -m bench.lmcache
 	$(PY) -m bench.e2e_vllm
 
-bench-quick: $(STAMP) $(VLLM_STAMP)
+bench-quick: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 	$(PY) -m bench.tiers --quick
 	$(PY) -m bench.daemon --quick
 	$(PY) -m bench.index --quick
+	$(PY) -m bench.transport --quick
+	$(ENGINES_PY) -m bench.lmcache --quick
 	$(PY) -m bench.e2e_vllm --quick
 
 demo: $(STAMP)
@@ -54,7 +63,25 @@ proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. kvstore/api/v1/kvstore.proto
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(ENGINES_VENV) $(VLLM_VENV) build *.egg-info
+
+# --- SGLang and LMCache environment ---------------------------------------------------
+# tests/test_engine_connectors.py runs tests/engines/*_suite.py, and bench.lmcache runs,
+# with this venv's python: LMCache pins numpy, setuptools and its CUDA libraries, and
+# sglang installs only without its dependencies, so neither goes into .venv.
+
+.PHONY: engines-venv
+engines-venv: $(ENGINES_STAMP)
+
+$(ENGINES_STAMP): pyproject.toml Makefile tests/engines/requirements.txt tests/engines/constraints.txt
+	test -x $(ENGINES_PY) || $(PYTHON) -m venv $(ENGINES_VENV)
+	$(ENGINES_PY) -m pip install --quiet --upgrade pip setuptools wheel
+	if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi >/dev/null 2>&1; then \
+		$(ENGINES_PY) -m pip install --quiet "$(TORCH_CPU_SPEC)" $(TORCH_PIP_ARGS); \
+	fi
+	$(ENGINES_PY) -m pip install --quiet -c tests/engines/constraints.txt -r tests/engines/requirements.txt -e .
+	$(ENGINES_PY) -m pip install --quiet --no-deps "$(SGLANG_SPEC)"
+	touch $@
 
 # --- vLLM end-to-end environment -----------------------------------------------------
 # tests/test_vllm_e2e.py and bench.e2e_vllm start vLLM (CPU build) in subprocesses with

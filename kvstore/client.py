@@ -27,10 +27,11 @@ prefix is larger than the host tier can lease at once. ``KVStoreClient`` is bloc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import msgpack
 import torch
@@ -323,6 +324,32 @@ class KVStoreClient:
         """Give the leased slots back (not waited for: nothing can be done about a failure)."""
         for lease_id in lease.lease_ids:
             self._send(Op.RELEASE | Op.NO_REPLY, lease_id)
+
+    # -- slab access in place: for connectors whose engine memory is strided (SGLang's
+    # host pool, LMCache's chunks), so bytes move in one strided copy, not two ------------
+    @contextlib.contextmanager
+    def writing(self, namespace: bytes, hashes: Sequence[BlockHash], parent_hash: BlockHash | None = None) -> Iterator[list[tuple[int, torch.Tensor]]]:
+        """Reserve slots for the blocks of ``hashes`` not cached yet and yield ``(index in
+        hashes, slab bytes)`` for each; the caller fills them. Committed when the ``with``
+        body finishes, aborted when it raises, so a half-written block is never visible."""
+        pending = self.begin_save(namespace, hashes, parent_hash)
+        try:
+            yield list(zip(pending.indices, pending.views))
+        except BaseException:
+            self.abort(pending)
+            raise
+        self.commit(pending)
+
+    @contextlib.contextmanager
+    def reading(self, namespace: bytes, hashes: Sequence[BlockHash]) -> Iterator[list[torch.Tensor]]:
+        """Lease the longest cached prefix of ``hashes`` and yield the slab bytes of its
+        blocks, valid until the ``with`` body ends; the lease keeps them from being evicted
+        or overwritten meanwhile."""
+        lease = self.acquire(namespace, hashes)
+        try:
+            yield list(lease.views)
+        finally:
+            self.release(lease)
 
     def close(self) -> None:
         self._codec.close()

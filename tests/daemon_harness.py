@@ -28,6 +28,11 @@ class Daemon:
         return self.workdir / "kvstore.sock"
 
     @property
+    def shm_name(self) -> str:
+        """Unique per daemon: test runs in other checkouts may reuse the same node ids."""
+        return f"kvstore-test-{self.node_id}-{self.workdir.name}"
+
+    @property
     def state_file(self) -> Path:
         return Path(str(self.socket) + ".json")
 
@@ -47,7 +52,7 @@ class Daemon:
             "server.drain_timeout_s": "2",
             "host.capacity_bytes": "64MiB",
             "host.page_bytes": "4MiB",
-            "host.name": f"kvstore-test-{self.node_id}",
+            "host.name": self.shm_name,
             "nvme.directory": str(self.workdir / "nvme"),
             "nvme.capacity_bytes": "128MiB",
             "nvme.page_bytes": "4MiB",
@@ -98,4 +103,4 @@ def daemons(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     finally:
         for daemon in started:
             daemon.stop(signal.SIGKILL)
-            Path(f"/dev/shm/kvstore-test-{daemon.node_id}").unlink(missing_ok=True)
+            Path(f"/dev/shm/{daemon.shm_name}").unlink(missing_ok=True)

@@ -24,8 +24,9 @@ from bench.sim.models import PRESETS, ModelPreset
 from bench.sim.policies import POLICIES, make_policy
 from bench.sim.replica import TierSizes, build_manager
 from bench.sim.report import summarize
-from bench.sim.traces import oracle_hit_rate
+from bench.sim.traces import oracle_hit_rate, oracle_hit_tokens
 from bench.sim.workload import Request
+from kvstore.errors import InvalidArgument
 from kvstore.hashing import hash_block
 from kvstore.index import scoring
 from kvstore.tiers.base import TierKind
@@ -176,7 +177,7 @@ def test_summary_accounting_by_hand():
     # round robin: A1 -> 0, B1 -> 1, A2 -> 0 (hits A1's 8 tokens), C1 -> 1.
     requests = [request(0.0, "a", "a", 2), request(1.0, "b", "b", 1), request(2.0, "a", "a", 3), request(3.0, "c", "c", 1)]
     result = run(requests, "round-robin")
-    summary = summarize(result, "hand", 1.0, oracle_hit_rate(requests, per="token"))
+    summary = summarize(result, "hand", 1.0, oracle_hit_tokens(requests))
     assert summary.hit_rate == pytest.approx(8 / 28)
     assert summary.hit_rate_by_tier == {"hbm": pytest.approx(8 / 28), "host": 0.0, "nvme": 0.0, "remote": 0.0}
     assert summary.replica_hit_rates == (pytest.approx(8 / 20), 0.0)  # replica 0 served 20 tokens, 1 served 8
@@ -189,9 +190,23 @@ def test_summary_accounting_by_hand():
     assert summary.oracle_hit_rate == pytest.approx(8 / 28)
 
 
+def test_the_mix_spread_tells_the_requests_a_replica_got_from_its_misses():
+    # round robin: A1 -> 0, A2 -> 1 (misses: A1 is on 0), B1 -> 0. Both replicas hit nothing,
+    # but only replica 1 got a reusable request: 8 of its 12 tokens were cached somewhere.
+    result = run(THREE, "round-robin")
+    summary = summarize(result, "hand", 1.0, oracle_hit_tokens(THREE))
+    assert summary.replica_hit_rates == (0.0, 0.0)
+    assert summary.spread_cv == 0.0
+    assert summary.replica_oracle_hit_rates == (0.0, pytest.approx(8 / 12))
+    assert summary.mix_cv == pytest.approx(1.0)  # 0 and 2/3: mean 1/3, std 1/3
+    assert summary.oracle_hit_rate == pytest.approx(8 / 24)
+    with pytest.raises(InvalidArgument):
+        summarize(result, "hand", 1.0, oracle_hit_tokens(THREE[:2]))
+
+
 def test_round_robin_moves_every_session_turn():
     requests = [request(float(t), "a", "a", t + 1) for t in range(4)]
-    summary = summarize(run(requests, "round-robin"), "hand", 1.0, 0.0)
+    summary = summarize(run(requests, "round-robin"), "hand", 1.0, oracle_hit_tokens(requests))
     assert summary.session_moves == 3
 
 

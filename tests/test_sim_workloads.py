@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from bench.sim.agents import PRESETS, AgentVariant, CodingAgentConfig, CodingAgentWorkload, LogNormal
-from bench.sim.traces import TraceFormat, TraceFormatError, oracle_hit_rate, parse_trace_lines, read_trace
+from bench.sim.traces import TraceFormat, TraceFormatError, oracle_hit_rate, oracle_hit_tokens, parse_trace_lines, read_trace
 from bench.sim.workload import Request
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import BlockHash, hash_block
@@ -106,6 +106,7 @@ def test_oracle_counts_leading_prefix_hits_only():
     ]
     assert oracle_hit_rate(requests) == pytest.approx(2 / 8)
     assert oracle_hit_rate(requests, per="token") == pytest.approx(8 / 34)
+    assert oracle_hit_tokens(requests) == [0, 8, 0]
     assert oracle_hit_rate([]) == 0.0
     with pytest.raises(InvalidArgument):
         oracle_hit_rate(requests, per="request")

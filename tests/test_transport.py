@@ -171,7 +171,7 @@ def test_send_many_delivers_a_window_of_blocks_in_order(kind):
         async with connected(kind) as (client, server):
             destination = memoryview(bytearray(sum(sizes)))
             receiving = asyncio.ensure_future(receive_blocks(server, destination, len(sizes)))
-            await client.send_many([block_frame(i, p) for i, p in enumerate(payloads)])
+            await client.send_many(block_frame(i, p) for i, p in enumerate(payloads))  # a generator, consumed lazily
             headers = await receiving
             assert [h.sequence for h in headers] == list(range(len(sizes)))
             assert [h.key for h in headers] == [key_of(i) for i in range(len(sizes))]
@@ -338,6 +338,29 @@ def test_ucx_frames_tampered_at_the_sender_are_refused(ucx):
             await client._endpoint.send(forged)
             with pytest.raises(CorruptBlock, match="checksum"):
                 await server.recv_header()
+            with pytest.raises(TransferFailed, match="out of step"):
+                await server.recv_header()
+
+    run(body())
+
+
+def test_ucx_cancelled_payload_receive_never_lands_later(ucx):
+    """A payload receive given up (a deadline) must not fill the slot afterwards: by then
+    the caller may have handed the slot to another block."""
+    payload = pattern(256 * KiB, 9)
+
+    async def body():
+        async with connected(ucx) as (client, server):
+            header, _ = block_frame(0, payload)
+            await client._endpoint.send(header.pack())  # the header alone; the payload comes late
+            assert (await server.recv_header()).length == len(payload)
+            slot = bytearray(len(payload))
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(server.recv_payload(memoryview(slot)), 0.5)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client._endpoint.send(payload), 2)
+            await asyncio.sleep(0.5)
+            assert slot == bytes(len(payload))
             with pytest.raises(TransferFailed, match="out of step"):
                 await server.recv_header()
 

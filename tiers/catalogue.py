@@ -7,7 +7,8 @@ read both (see tiers/eviction.py). Children may arrive before their parent (a re
 recovers NVMe slots in any order, a transfer may land out of order): they wait, unreachable,
 until the parent is inserted and adopts them.
 
-Owner: the tier manager; not thread-safe.
+Owner: the tier manager, through tiers/residency.py (which keeps the eviction policies in
+step with it); not thread-safe.
 """
 
 from __future__ import annotations

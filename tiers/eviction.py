@@ -1,10 +1,10 @@
 """Which resident block of a tier goes first when the tier needs room.
 
 A policy sees only the blocks of one tier that may be evicted right now (not leased,
-not pinned); the tier manager inserts and removes them as that changes. Blocks are
-duck-typed: a policy reads ``block.key``, ``block.last_access``, ``block.is_tier_leaf``
-(no cached child in this tier or a faster one) and ``block.reachable`` (every ancestor is
-cached, so a prefix lookup can reach it).
+not pinned); the tier manager (tiers/residency.py) inserts and removes them as that
+changes. Blocks are duck-typed: a policy reads ``block.key``, ``block.last_access``,
+``block.is_tier_leaf`` (no cached child in this tier or a faster one) and
+``block.reachable`` (every ancestor is cached, so a prefix lookup can reach it).
 
 Why prefix-aware: a lookup walks a chain from its first block and stops at the first
 miss, so a block whose ancestor is gone can never be hit (an *orphan*), and evicting an

@@ -31,7 +31,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import itertools
-from typing import Awaitable, Callable, Sequence, Union
+from typing import Awaitable, Callable, Iterable, Union
 
 from kvstore.errors import CorruptBlock, InvalidArgument, TransferFailed
 from kvstore.transport.wire import HEADER_BYTES, FrameHeader
@@ -47,7 +47,9 @@ class Channel(abc.ABC):
     @abc.abstractmethod
     async def send(self, header: FrameHeader, payload: Buffer = b"") -> None: ...
 
-    async def send_many(self, frames: Sequence[tuple[FrameHeader, Buffer]]) -> None:
+    async def send_many(self, frames: Iterable[tuple[FrameHeader, Buffer]]) -> None:
+        """``frames`` may be a generator: it is consumed as the window allows, so a sender
+        computes the checksums of later blocks while earlier ones are in flight."""
         for header, payload in frames:
             await self.send(header, payload)
 

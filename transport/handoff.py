@@ -131,6 +131,7 @@ class IncomingHandoff(_Handoff):
         self.ready_layers = 0  # min over blocks: what a reader may use
         self.attached = False  # a consumer engine holds the staging views
         self.reader_done = False  # a consumer attached and let go: nobody will read them again
+        self.num_stored = 0  # blocks stored in this node's tiers once every layer arrived
         self.stored = False
 
     def destination_for(self, header: FrameHeader) -> memoryview:

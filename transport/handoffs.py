@@ -144,14 +144,13 @@ class HandoffRegistry:
 
     def store_incoming(self, handoff: IncomingHandoff) -> int:
         """Every layer arrived: store the blocks (reusable later) and mark it complete."""
-        stored = 0
         try:
-            stored = self.manager.put(handoff.digest, handoff.hashes, handoff.views, handoff.parent)
+            handoff.num_stored = self.manager.put(handoff.digest, handoff.hashes, handoff.views, handoff.parent)
         except Exception as exc:  # the consumer can still read the staged layers
             logger.warning("handoff %r arrived but was not stored: %s", handoff.transfer_id, exc)
         handoff.complete()
         self.settle(handoff)
-        return stored
+        return handoff.num_stored
 
     def settle(self, handoff: IncomingHandoff) -> None:
         """Free an incoming handoff's staging once it is over and nobody reads it."""

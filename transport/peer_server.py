@@ -128,8 +128,7 @@ class PeerServer:
             handoff.fail(f"the producer's stream broke off: {exc}")
             self.service.handoffs.settle(handoff)
             raise
-        stored = self.service.handoffs.store_incoming(handoff)
-        await send_control(channel, transfer_id, {"stored": stored}, FrameKind.END)
+        await send_control(channel, transfer_id, {"stored": handoff.num_stored}, FrameKind.END)
 
     async def _receive_layers(self, channel: Channel, handoff: IncomingHandoff) -> None:
         while True:
@@ -151,6 +150,8 @@ class PeerServer:
                 raise
             handoff.arrived(header)
             self.node.metrics.transferred("in", "handoff", 0, header.length)
+            if handoff.all_arrived:  # stored before any reader hears that the last layer is in
+                self.service.handoffs.store_incoming(handoff)
 
     async def _capacity(self, channel: Channel, transfer_id: int, message: dict) -> None:
         free = sum(s.capacity_bytes - s.used_bytes for s in self.manager.tier_stats())

@@ -1,5 +1,6 @@
-"""What the network transports share: the channels a transport owns, the tasks that
-serve accepted ones, and how addresses and payload buffers are read.
+"""What the network transports share: the frame bookkeeping of a channel, the channels a
+transport owns, the tasks that serve accepted ones, and how addresses and payload
+buffers are read.
 
 A transport owns every channel it opened or accepted, so that ``Transport.close`` can end
 them all (a channel leaves the registry when it closes: its ``close`` calls ``forget``);
@@ -13,10 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.transport.base import Buffer, Channel, ChannelHandler
+from typing import Callable
 
-__all__ = ["ChannelRegistry", "address_of", "byte_view"]
+from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, TransferFailed
+from kvstore.transport.base import Buffer, Channel, ChannelHandler
+from kvstore.transport.wire import FrameHeader
+
+__all__ = ["ChannelRegistry", "FramedChannel", "address_of", "byte_view"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,62 @@ def byte_view(buffer: Buffer) -> memoryview:
     if not view.c_contiguous:
         raise InvalidArgument("a transport payload must be one contiguous buffer.")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class FramedChannel(Channel):
+    """A channel's frame bookkeeping: the payload length the last header announced, and
+    whether the stream can still be trusted. A corrupt header, or a frame interrupted
+    halfway, puts the stream out of step for good: later calls fail rather than read a
+    payload as a header."""
+
+    def __init__(self, peer: str, forget: Callable[[Channel], None]) -> None:
+        self.peer, self._forget = peer, forget  # forget: the owning registry's
+        self._pending_length: int | None = None  # the payload recv_payload must take next
+        self._broken = ""  # why the stream is out of step
+        self._closed = False
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise TransferFailed(f"the channel to {self.peer} is closed.")
+        if self._broken:
+            raise TransferFailed(f"the channel to {self.peer} is out of step ({self._broken}); open a new one.")
+
+    def _break(self, reason: str) -> None:
+        self._broken = self._broken or reason
+
+    def _outgoing_payload(self, header: FrameHeader, payload: Buffer) -> memoryview:
+        view = byte_view(payload)
+        if view.nbytes != header.length:
+            raise InvalidArgument(f"a frame announced {header.length} bytes with a {view.nbytes}-byte payload.")
+        return view
+
+    def _expect_header(self) -> None:
+        self._check_usable()
+        if self._pending_length:
+            raise InvalidArgument("recv_header was called before the previous frame's payload was received.")
+
+    def _accept_header(self, raw: Buffer) -> FrameHeader:
+        try:
+            header = FrameHeader.unpack(raw)
+        except CorruptBlock:
+            self._break("a frame header failed its checks")
+            raise
+        self._pending_length = header.length
+        return header
+
+    def _incoming_payload(self, into: memoryview) -> memoryview:
+        view = byte_view(into)
+        if self._pending_length is None or view.nbytes != self._pending_length:
+            raise InvalidArgument("recv_payload must follow recv_header with a buffer of the announced length.")
+        return view
+
+    def _mark_closed(self) -> bool:
+        """True the first time: the caller then releases what the channel holds."""
+        if self._closed:
+            return False
+        self._closed = True
+        self._forget(self)
+        return True
 
 
 class ChannelRegistry:

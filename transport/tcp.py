@@ -2,8 +2,9 @@
 
 A frame goes out as one gathered ``sendmsg`` of its header and its payload (``send_many``
 gathers many frames into each call, so a window of blocks costs a few system calls and
-never a concatenation of payloads); a payload comes in by ``recv_into`` straight into the
-caller's buffer, which is the destination slot.
+never a concatenation of payloads); a payload comes in by ``recvmsg_into`` straight into
+the caller's buffer, which is the destination slot, and the same call takes the start of
+the next header into the header buffer.
 
 Readiness waits are this module's own (``add_reader`` / ``add_writer`` futures) rather
 than ``loop.sock_recv_into``: closing a socket does not wake a task parked in the loop's
@@ -15,58 +16,59 @@ is marked broken: every later call fails rather than read a payload as a header.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import socket
-from typing import Callable, Sequence
+from typing import Callable, Iterable
 
-from kvstore.errors import CorruptBlock, InvalidArgument, TransferFailed
+from kvstore.errors import InvalidArgument, TransferFailed
 from kvstore.transport.base import Buffer, Channel, ChannelHandler, Transport, split_address
 from kvstore.transport.config import TransportConfig
-from kvstore.transport.serving import ChannelRegistry, address_of, byte_view
+from kvstore.transport.serving import ChannelRegistry, FramedChannel, address_of
 from kvstore.transport.wire import HEADER_BYTES, FrameHeader
 
 __all__ = ["TcpTransport"]
 
 logger = logging.getLogger(__name__)
 
-# Deep socket buffers keep a window of multi-MiB blocks in flight without waiting for the
-# receiver to be scheduled (the kernel caps the request at net.core.[rw]mem_max).
-SOCKET_BUFFER_BYTES = 4 << 20
 IOV_MAX = os.sysconf("SC_IOV_MAX")
+# a receiver waiting for a large payload is woken per this many bytes (SO_RCVLOWAT), not
+# per segment: each wake-up costs an event-loop turn
+WAKE_BYTES = 1 << 20
 LISTEN_BACKLOG = 128
 
 
 def tune(sock: socket.socket) -> None:
+    """Non-blocking, no Nagle delay for headers and control frames. The buffer sizes stay
+    with the kernel's autotuning (net.ipv4.tcp_[rw]mem), which outgrows any fixed size a
+    socket could ask for without privileges; setting SO_RCVBUF would switch it off."""
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
 
 
-class _TcpChannel(Channel):
+class _TcpChannel(FramedChannel):
     def __init__(self, sock: socket.socket, peer: str, frames_per_write: int, forget: Callable[[Channel], None]) -> None:
-        self._sock, self.peer, self._forget = sock, peer, forget
+        super().__init__(peer, forget)
+        self._sock = sock
         self._frames_per_write = min(frames_per_write, IOV_MAX // 2)
         self._loop = asyncio.get_running_loop()
         self._waiters: set[asyncio.Future] = set()  # readiness waits that close must wake
         self._header = bytearray(HEADER_BYTES)
-        self._pending_length: int | None = None  # the payload length recv_payload must read next
-        self._broken = ""  # why the stream can no longer be trusted
-        self._closed = False
+        self._header_bytes = 0  # how much of the next header is already in self._header
+        self._wake_bytes = 1  # the socket's SO_RCVLOWAT
 
     # -- sending ---------------------------------------------------------------------
     async def send(self, header: FrameHeader, payload: Buffer = b"") -> None:
         await self.send_many([(header, payload)])
 
-    async def send_many(self, frames: Sequence[tuple[FrameHeader, Buffer]]) -> None:
+    async def send_many(self, frames: Iterable[tuple[FrameHeader, Buffer]]) -> None:
         """Gathered writes of up to ``transport.window_blocks`` frames each."""
-        for start in range(0, len(frames), self._frames_per_write):
+        frames = iter(frames)
+        while window := list(itertools.islice(frames, self._frames_per_write)):
             views: list[memoryview] = []
-            for header, payload in frames[start : start + self._frames_per_write]:
-                payload_view = byte_view(payload)
-                if payload_view.nbytes != header.length:
-                    raise InvalidArgument(f"a frame announced {header.length} bytes with a {payload_view.nbytes}-byte payload.")
+            for header, payload in window:
+                payload_view = self._outgoing_payload(header, payload)
                 views.append(memoryview(header.pack()))
                 if header.length:
                     views.append(payload_view)
@@ -93,55 +95,64 @@ class _TcpChannel(Channel):
                         views[index], sent = views[index][sent:], 0
         except BaseException:
             if progressed and index < len(views):
-                self._broken = self._broken or "a send stopped in the middle of a frame"
+                self._break("a send stopped in the middle of a frame")
             raise
 
     # -- receiving -------------------------------------------------------------------
     async def recv_header(self) -> FrameHeader:
-        if self._pending_length:
-            raise InvalidArgument("recv_header was called before the previous frame's payload was received.")
-        await self._read_exactly(memoryview(self._header), "frame header", at_boundary=True)
-        try:
-            header = FrameHeader.unpack(self._header)
-        except CorruptBlock:
-            self._broken = "a frame header failed its checks"
-            raise
-        self._pending_length = header.length
-        return header
+        self._expect_header()
+        header_view = memoryview(self._header)
+        while self._header_bytes < HEADER_BYTES:  # progress is kept: a cancelled wait loses nothing
+            count = await self._receive([header_view[self._header_bytes :]], HEADER_BYTES - self._header_bytes)
+            if count == 0:
+                self._break("the peer closed the connection")
+                if self._header_bytes == 0:
+                    raise TransferFailed(f"the peer {self.peer} closed the channel.")
+                raise TransferFailed(f"the peer {self.peer} closed the connection {self._header_bytes} bytes into a frame header.")
+            self._header_bytes += count
+        self._header_bytes = 0
+        return self._accept_header(self._header)
 
     async def recv_payload(self, into: memoryview) -> None:
-        view = byte_view(into)
-        if self._pending_length is None or view.nbytes != self._pending_length:
-            raise InvalidArgument("recv_payload must follow recv_header with a buffer of the announced length.")
-        if view.nbytes:
-            await self._read_exactly(view, f"{view.nbytes}-byte payload", at_boundary=False)
-        self._pending_length = None
-
-    async def _read_exactly(self, view: memoryview, what: str, at_boundary: bool) -> None:
-        """Fill ``view``; ``at_boundary``: nothing of the frame was read before this."""
-        self._check_usable()
+        """Receive into ``into``; what arrives beyond it is the next header, read by the same
+        system call into the header buffer (payload bytes are never staged)."""
+        view = self._incoming_payload(into)
+        header_view = memoryview(self._header)
         got, total = 0, view.nbytes
         try:
             while got < total:
-                try:
-                    count = self._sock.recv_into(view[got:])
-                except (BlockingIOError, InterruptedError):
-                    await self._ready(self._loop.add_reader, self._loop.remove_reader)
-                    continue
-                except OSError as exc:
-                    raise self._failure(exc) from exc
+                count = await self._receive([view[got:], header_view[self._header_bytes :]], min(total - got, WAKE_BYTES))
                 if count == 0:
-                    self._broken = "the peer closed the connection"
-                    if got == 0 and at_boundary:
-                        raise TransferFailed(f"the peer {self.peer} closed the channel.")
-                    raise TransferFailed(f"the peer {self.peer} closed the connection {got} bytes into a {what}; the frame was dropped.")
-                got += count
+                    self._break("the peer closed the connection")
+                    raise TransferFailed(f"the peer {self.peer} closed the connection {got} bytes into a {total}-byte payload; the frame was dropped.")
+                beyond = max(0, got + count - total)
+                got += count - beyond
+                self._header_bytes += beyond
         except BaseException:
-            if got < total and (got or not at_boundary):
-                self._broken = self._broken or "a receive stopped in the middle of a frame"
+            if got < total:
+                self._break("a receive stopped in the middle of a payload")
             raise
+        self._pending_length = None
+
+    async def _receive(self, buffers: list[memoryview], wake_bytes: int) -> int:
+        """One scattered read; when nothing is there, wait until ``wake_bytes`` are."""
+        self._check_usable()
+        while True:
+            try:
+                return self._sock.recvmsg_into(buffers)[0]
+            except (BlockingIOError, InterruptedError):
+                self._wake_at(wake_bytes)
+                await self._ready(self._loop.add_reader, self._loop.remove_reader)
+            except OSError as exc:
+                raise self._failure(exc) from exc
 
     # -- plumbing --------------------------------------------------------------------
+    def _wake_at(self, nbytes: int) -> None:
+        """Be woken when ``nbytes`` have arrived (or the peer closes), not at every segment."""
+        if nbytes != self._wake_bytes:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+            self._wake_bytes = nbytes
+
     async def _ready(self, watch: Callable, unwatch: Callable) -> None:
         waiter = self._loop.create_future()
         watch(self._sock, _wake, waiter)
@@ -153,21 +164,13 @@ class _TcpChannel(Channel):
             if not self._closed:
                 unwatch(self._sock)
 
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise TransferFailed(f"the channel to {self.peer} is closed.")
-        if self._broken:
-            raise TransferFailed(f"the channel to {self.peer} is out of step ({self._broken}); open a new one.")
-
     def _failure(self, exc: OSError) -> TransferFailed:
-        self._broken = self._broken or "the connection broke"
+        self._break("the connection broke")
         return TransferFailed(f"the connection to {self.peer} broke: {exc.strerror or exc}.")
 
     async def close(self) -> None:
-        if self._closed:
+        if not self._mark_closed():
             return
-        self._closed = True
-        self._forget(self)
         self._loop.remove_reader(self._sock)
         self._loop.remove_writer(self._sock)
         for waiter in self._waiters:

@@ -27,12 +27,12 @@ import collections
 import contextlib
 import itertools
 import os
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator
 
 from kvstore.errors import CorruptBlock, InvalidArgument, TierUnavailable, TransferFailed
 from kvstore.transport.base import Buffer, Channel, ChannelHandler, Transport, split_address
 from kvstore.transport.config import TransportConfig
-from kvstore.transport.serving import ChannelRegistry, address_of, byte_view
+from kvstore.transport.serving import ChannelRegistry, FramedChannel, address_of
 from kvstore.transport.wire import HEADER_BYTES, FrameHeader
 
 __all__ = ["UcxTransport", "import_ucxx", "ucx_environment"]
@@ -62,20 +62,17 @@ def import_ucxx(config: TransportConfig) -> Any:
     return ucxx
 
 
-class _UcxChannel(Channel):
+class _UcxChannel(FramedChannel):
     def __init__(self, ucxx: Any, endpoint: Any, peer: str, window_frames: int, forget: Callable[[Channel], None]) -> None:
-        self._ucxx, self._endpoint, self.peer, self._forget = ucxx, endpoint, peer, forget
-        self._window_frames = window_frames
+        super().__init__(peer, forget)
+        self._ucxx, self._endpoint, self._window_frames = ucxx, endpoint, window_frames
         self._header = bytearray(HEADER_BYTES + INLINE_BYTES)
-        self._pending_length: int | None = None  # the payload length recv_payload must take next
-        self._broken = ""  # why the message stream can no longer be trusted
-        self._closed = False
 
     # -- sending ---------------------------------------------------------------------
     async def send(self, header: FrameHeader, payload: Buffer = b"") -> None:
         await self.send_many([(header, payload)])
 
-    async def send_many(self, frames: Sequence[tuple[FrameHeader, Buffer]]) -> None:
+    async def send_many(self, frames: Iterable[tuple[FrameHeader, Buffer]]) -> None:
         self._check_usable()
         loop = asyncio.get_running_loop()
         in_flight: collections.deque[asyncio.Task] = collections.deque()
@@ -90,47 +87,34 @@ class _UcxChannel(Channel):
                         await in_flight.popleft()
                 while in_flight:
                     await in_flight.popleft()
+        except InvalidArgument:  # a malformed frame, refused before any of it was posted
+            await asyncio.gather(*in_flight, return_exceptions=True)
+            raise
         except BaseException:
-            self._broken = self._broken or "a send stopped in the middle of a window"
-            for task in in_flight:
-                task.cancel()
+            self._abandon("a send stopped in the middle of a window")
             await asyncio.gather(*in_flight, return_exceptions=True)
             raise
 
-    @staticmethod
-    def _messages(header: FrameHeader, payload: Buffer) -> tuple[Buffer, ...]:
-        view = byte_view(payload)
-        if view.nbytes != header.length:
-            raise InvalidArgument(f"a frame announced {header.length} bytes with a {view.nbytes}-byte payload.")
+    def _messages(self, header: FrameHeader, payload: Buffer) -> tuple[Buffer, ...]:
+        view = self._outgoing_payload(header, payload)
         if view.nbytes <= INLINE_BYTES:
             return (header.pack() + view,)
         return header.pack(), view
 
     # -- receiving -------------------------------------------------------------------
     async def recv_header(self) -> FrameHeader:
-        self._check_usable()
-        if self._pending_length:
-            raise InvalidArgument("recv_header was called before the previous frame's payload was received.")
+        self._expect_header()
         self._header[:HEADER_BYTES] = bytes(HEADER_BYTES)  # a short message must not leave an old header behind
         try:
             with self._translated("receiving a frame header"):
                 await self._endpoint.recv(self._header)
         except asyncio.CancelledError:
-            # the posted receive may still take the next header: the stream is out of step
-            self._broken = self._broken or "a header receive was cancelled"
+            self._abandon("a header receive was cancelled")
             raise
-        try:
-            header = FrameHeader.unpack(memoryview(self._header)[:HEADER_BYTES])
-        except CorruptBlock:
-            self._broken = "a frame header failed its checks"
-            raise
-        self._pending_length = header.length
-        return header
+        return self._accept_header(memoryview(self._header)[:HEADER_BYTES])
 
     async def recv_payload(self, into: memoryview) -> None:
-        view = byte_view(into)
-        if self._pending_length is None or view.nbytes != self._pending_length:
-            raise InvalidArgument("recv_payload must follow recv_header with a buffer of the announced length.")
+        view = self._incoming_payload(into)
         if view.nbytes <= INLINE_BYTES:
             view[:] = memoryview(self._header)[HEADER_BYTES : HEADER_BYTES + view.nbytes]
         else:
@@ -139,11 +123,18 @@ class _UcxChannel(Channel):
                 with self._translated(f"receiving a {view.nbytes}-byte payload"):
                     await self._endpoint.recv(view)
             except BaseException:
-                self._broken = self._broken or "a payload receive did not finish"
+                self._abandon("a payload receive did not finish")
                 raise
         self._pending_length = None
 
     # -- plumbing --------------------------------------------------------------------
+    def _abandon(self, reason: str) -> None:
+        """Out of step, and the endpoint aborted at once: a receive UCX still holds would
+        otherwise land in a slot its caller has since given to another block, and a send
+        would go on reading a buffer its caller has let go."""
+        self._break(reason)
+        self._endpoint.abort()
+
     @contextlib.contextmanager
     def _translated(self, doing: str) -> Iterator[None]:
         """ucxx's exceptions as kvstore's, each a sentence that names the peer."""
@@ -151,26 +142,18 @@ class _UcxChannel(Channel):
         try:
             yield
         except exceptions.UCXMessageTruncatedError as exc:
-            self._broken = "a message was longer than its frame announced"
+            self._break("a message was longer than its frame announced")
             raise CorruptBlock(f"a message from {self.peer} was longer than its frame announced; the channel is out of step.") from exc
         except exceptions.UCXError as exc:
-            self._broken = self._broken or "the endpoint failed"
+            self._break("the endpoint failed")
             if self._closed:
                 raise TransferFailed(f"the channel to {self.peer} was closed while {doing}.") from exc
             raise TransferFailed(f"the UCX channel to {self.peer} failed while {doing}: {exc}.") from exc
 
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise TransferFailed(f"the channel to {self.peer} is closed.")
-        if self._broken:
-            raise TransferFailed(f"the channel to {self.peer} is out of step ({self._broken}); open a new one.")
-
     async def close(self) -> None:
         """Close the endpoint; UCX cancels its posted receives, which wakes their tasks."""
-        if self._closed:
+        if not self._mark_closed():
             return
-        self._closed = True
-        self._forget(self)
         with contextlib.suppress(self._ucxx.exceptions.UCXError):
             await self._endpoint.close()
 

@@ -33,7 +33,7 @@ from bench.sim.models import preset
 from bench.sim.policies import POLICIES, make_policy
 from bench.sim.replica import TierSizes
 from bench.sim.report import add_ratios, plot, print_summaries, summarize, write_json
-from bench.sim.traces import oracle_hit_rate, read_trace
+from bench.sim.traces import oracle_hit_tokens, read_trace
 from bench.sim.workload import Request
 from kvstore.tiers.eviction import POLICIES as EVICTION_POLICIES
 
@@ -85,7 +85,8 @@ def main() -> None:
     sizes = _floats(args.sweep, "--sweep") if args.sweep else [args.cache_gb_per_replica or default_gb]
     model = preset(args.model)
     speeds = dataclasses.replace(model.cost_model(remote_fetch=not args.no_remote_fetch), decode_s_per_request=args.kvstore_decode_s_per_request)
-    oracle = oracle_hit_rate(requests, per="token")
+    reusable = oracle_hit_tokens(requests)
+    oracle = sum(reusable) / sum(r.num_prompt_tokens for r in requests)
     largest_prompt = max(r.num_prompt_tokens for r in requests)
     print(f"workload {workload}: {len(requests):,} requests, {len({r.session_id for r in requests}):,} sessions, "
           f"{sum(r.num_prompt_tokens for r in requests):,} prompt tokens, largest {largest_prompt:,}; oracle hit rate {oracle:.3f}")
@@ -100,7 +101,7 @@ def main() -> None:
         at_size = []
         for name in policies:
             result = simulate(requests, make_policy(name, args.replicas, speeds), config)
-            at_size.append(summarize(result, workload, size, oracle))
+            at_size.append(summarize(result, workload, size, reusable))
             ttfts[name] = np.array([o.ttft_s for o in result.outcomes])  # the largest size's, in the end
             print(f"  simulated {name} at {size:g} GB/replica in {result.wall_s:.1f} s", flush=True)
         print_summaries(report, f"{workload}, {model.name}, {size:g} GB/replica", at_size)
@@ -110,7 +111,7 @@ def main() -> None:
         report.results.append({
             "workload": s.workload, "policy": s.policy, "model": s.model, "cache_gb_per_replica": s.cache_gb_per_replica,
             "hit_rate": round(s.hit_rate, 4), "oracle_hit_rate": round(s.oracle_hit_rate, 4),
-            "spread_std": round(s.spread_std, 4), "spread_cv": round(s.spread_cv, 4), "load_cv": round(s.load_cv, 4),
+            "spread_std": round(s.spread_std, 4), "spread_cv": round(s.spread_cv, 4), "mix_cv": round(s.mix_cv, 4), "load_cv": round(s.load_cv, 4),
             "ttft_p50_s": round(s.ttft_p50_s, 4), "ttft_p99_s": round(s.ttft_p99_s, 4),
             "throughput_rps": round(s.throughput_rps, 4), "session_moves": s.session_moves,
         })

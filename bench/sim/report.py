@@ -13,6 +13,12 @@ Definitions (every figure from the run's own outcomes):
   spread is the population standard deviation and coefficient of variation (std / mean)
   over the replicas that served any request; ``load_cv`` is the CV of prompt tokens
   served per replica, idle replicas included, so piling work on few replicas shows there;
+- per-replica oracle hit rate: the oracle's cached tokens of the requests each replica
+  served / their prompt tokens — the hit rate that replica would have had with an infinite
+  cache, so the reuse its share of the workload offered. ``mix_cv``, its CV over the
+  replicas that served any request, is the part of the hit-rate spread that the mix of
+  requests each replica got explains (a replica that got more first turns, or shorter
+  sessions, has less to reuse); the rest of ``spread_cv`` is cache misses;
 - session moves: consecutive requests of one session served by different replicas.
 """
 
@@ -29,6 +35,7 @@ import numpy as np
 from bench.report import Report
 from bench.sim.engine import RunResult
 from bench.sim.replica import HIT_TIERS
+from kvstore.errors import InvalidArgument
 
 __all__ = ["PolicySummary", "summarize", "print_summaries", "add_ratios", "write_json", "plot", "BASELINE_OF_RATIOS"]
 
@@ -53,16 +60,22 @@ class PolicySummary:
     throughput_rps: float
     replica_hit_rates: tuple[float | None, ...]  # None: the replica served nothing
     replica_requests: tuple[int, ...]
+    replica_oracle_hit_rates: tuple[float | None, ...]
     spread_std: float
     spread_cv: float
+    mix_cv: float
     load_cv: float
     session_moves: int
     counters: dict[str, int]
     wall_s: float
 
 
-def summarize(result: RunResult, workload: str, cache_gb_per_replica: float, oracle_hit_rate: float) -> PolicySummary:
+def summarize(result: RunResult, workload: str, cache_gb_per_replica: float, oracle_hit_tokens: Sequence[int]) -> PolicySummary:
+    """``oracle_hit_tokens``: per request of the workload, in its order, the tokens the
+    oracle serves from cache (`traces.oracle_hit_tokens`)."""
     outcomes = result.outcomes
+    if len(oracle_hit_tokens) != len(outcomes):
+        raise InvalidArgument(f"{len(oracle_hit_tokens)} oracle counts for {len(outcomes)} requests: both come from one workload.")
     prompt = np.array([o.num_prompt_tokens for o in outcomes], dtype=np.int64)
     computed = np.array([o.num_computed_tokens for o in outcomes], dtype=np.int64)
     replica = np.array([o.replica for o in outcomes], dtype=np.int64)
@@ -72,7 +85,9 @@ def summarize(result: RunResult, workload: str, cache_gb_per_replica: float, ora
     by_tier = hit_blocks.sum(axis=0) * result.block_tokens / total_prompt
     served = np.bincount(replica, weights=prompt, minlength=result.num_replicas)
     cached = np.bincount(replica, weights=prompt - computed, minlength=result.num_replicas)
+    reusable = np.bincount(replica, weights=np.asarray(oracle_hit_tokens, dtype=np.int64), minlength=result.num_replicas)
     rates = [float(c / s) if s else None for c, s in zip(cached, served)]
+    oracle_rates = [float(r / s) if s else None for r, s in zip(reusable, served)]
     active = np.array([r for r in rates if r is not None])
     span = max(o.done_s for o in outcomes) - min(o.arrival_s for o in outcomes)
     return PolicySummary(
@@ -83,15 +98,17 @@ def summarize(result: RunResult, workload: str, cache_gb_per_replica: float, ora
         num_requests=len(outcomes),
         hit_rate=float((prompt - computed).sum() / total_prompt),
         hit_rate_by_tier={tier.value: float(share) for tier, share in zip(HIT_TIERS, by_tier)},
-        oracle_hit_rate=oracle_hit_rate,
+        oracle_hit_rate=float(reusable.sum() / total_prompt),
         prefill_tokens_per_request=float(computed.mean()),
         ttft_p50_s=float(np.percentile(ttft, 50)),
         ttft_p99_s=float(np.percentile(ttft, 99)),
         throughput_rps=len(outcomes) / span if span > 0 else 0.0,
         replica_hit_rates=tuple(rates),
         replica_requests=tuple(int(n) for n in np.bincount(replica, minlength=result.num_replicas)),
+        replica_oracle_hit_rates=tuple(oracle_rates),
         spread_std=float(active.std()),
         spread_cv=_cv(active),
+        mix_cv=_cv(np.array([r for r in oracle_rates if r is not None])),
         load_cv=_cv(served),
         session_moves=_session_moves(outcomes),
         counters=dict(result.counters),
@@ -115,11 +132,11 @@ def _session_moves(outcomes) -> int:
 
 
 def print_summaries(report: Report, title: str, summaries: Sequence[PolicySummary]) -> None:
-    columns = ["policy", "hit %", "hbm %", "host %", "nvme %", "remote %", "/oracle", "prefill tok/req", "TTFT p50 s", "TTFT p99 s", "req/s", "replica hit std", "hit CV", "load CV", "moves", "sim s"]
+    columns = ["policy", "hit %", "hbm %", "host %", "nvme %", "remote %", "/oracle", "prefill tok/req", "TTFT p50 s", "TTFT p99 s", "req/s", "replica hit std", "hit CV", "mix CV", "load CV", "moves", "sim s"]
     rows = []
     for s in summaries:
         tiers = [100 * s.hit_rate_by_tier[t.value] for t in HIT_TIERS]
-        rows.append([s.policy, 100 * s.hit_rate, *tiers, s.hit_rate / s.oracle_hit_rate if s.oracle_hit_rate else 0.0, round(s.prefill_tokens_per_request), s.ttft_p50_s, s.ttft_p99_s, s.throughput_rps, s.spread_std, s.spread_cv, s.load_cv, s.session_moves, s.wall_s])
+        rows.append([s.policy, 100 * s.hit_rate, *tiers, s.hit_rate / s.oracle_hit_rate if s.oracle_hit_rate else 0.0, round(s.prefill_tokens_per_request), s.ttft_p50_s, s.ttft_p99_s, s.throughput_rps, s.spread_std, s.spread_cv, s.mix_cv, s.load_cv, s.session_moves, s.wall_s])
     report.print_table(title, columns, rows)
     report.print_table("requests per replica", ["policy", *(f"r{k}" for k in range(len(summaries[0].replica_requests)))], [[s.policy, *s.replica_requests] for s in summaries])
 

@@ -43,7 +43,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Container, Iterable, Sequence
+from typing import Container, Iterable, Iterator, Sequence
 
 import xxhash
 
@@ -51,7 +51,7 @@ from bench.sim.workload import Request
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import CHAIN_SEED, ROOT_PARENT, BlockHash
 
-__all__ = ["TraceFormat", "TraceFormatError", "read_trace", "parse_trace_lines", "oracle_hit_rate"]
+__all__ = ["TraceFormat", "TraceFormatError", "read_trace", "parse_trace_lines", "oracle_hit_rate", "oracle_hit_tokens"]
 
 _MAX_BLOCK_ID = 2**32 - 1  # ids are hashed as one uint32 "token", as kvstore hashes tokens
 
@@ -137,11 +137,8 @@ def oracle_hit_rate(requests: Iterable[Request], per: str = "block") -> float:
     """
     if per not in ("block", "token"):
         raise InvalidArgument(f"per must be 'block' or 'token', got {per!r}.")
-    seen: set[BlockHash] = set()
     num_blocks = num_hit_blocks = num_tokens = num_hit_tokens = 0
-    for request in requests:
-        num_hits = _leading_hits(request.block_hashes, seen)
-        seen.update(request.block_hashes)
+    for request, num_hits in _oracle_hits(requests):
         num_blocks += len(request.block_hashes)
         num_hit_blocks += num_hits
         num_tokens += request.num_prompt_tokens
@@ -149,6 +146,22 @@ def oracle_hit_rate(requests: Iterable[Request], per: str = "block") -> float:
     if per == "block":
         return num_hit_blocks / num_blocks if num_blocks else 0.0
     return num_hit_tokens / num_tokens if num_tokens else 0.0
+
+
+def oracle_hit_tokens(requests: Iterable[Request]) -> list[int]:
+    """Per request, in order, the prompt tokens the oracle of `oracle_hit_rate` serves from
+    its cache: what any placement of that request could reuse at best, so a replica's
+    share of them says how much reuse the requests routed to it offered."""
+    return [min(num_hits * request.block_tokens, request.num_prompt_tokens) for request, num_hits in _oracle_hits(requests)]
+
+
+def _oracle_hits(requests: Iterable[Request]) -> Iterator[tuple[Request, int]]:
+    """Each request with the number of leading blocks one infinite cache holds when it arrives."""
+    seen: set[BlockHash] = set()
+    for request in requests:
+        num_hits = _leading_hits(request.block_hashes, seen)
+        seen.update(request.block_hashes)
+        yield request, num_hits
 
 
 def _leading_hits(keys: Sequence[BlockHash], seen: Container[BlockHash]) -> int:

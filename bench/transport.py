@@ -1,0 +1,341 @@
+"""Transport throughput and overlap against same-run raw baselines.
+
+    python -m bench.transport [--quick] [--json]
+
+The sender is another process (bench/transport_sender.py), as peer daemons are; this
+process receives. For each block size (256 KiB, 1 MiB, 4 MiB), 64 MiB (32 with --quick):
+- kvstore over TCP and over UCX: each block one frame (header + payload), its checksum
+  computed by the sender in the timed loop and verified here, the payload received
+  straight into its slice of a preallocated destination buffer;
+- raw baselines, same bytes, same processes, taking turns with kvstore's runs: a blocking
+  socket ``sendall`` of everything against ``recv_into``, and the same frames and
+  checksums as kvstore's over blocking sockets (what framing costs without an event
+  loop); ucxx tagged send/recv of everything as one message, and of the bare blocks with
+  the window of blocks in flight that kvstore uses. Target for each: kvstore ≥ 0.8×.
+Overlap efficiency: the blocks received while a compute thread consumes each received
+block (passes over its bytes, sized to take as long as the transfer) — total time ÷
+max(transfer alone, compute alone); target ≤ 1.15. Idle cost: the cores the receiving
+process uses while its channel is open and idle; target ≤ 0.05.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.report import Report, gbps, parse_args
+from kvstore.errors import TierUnavailable
+from kvstore.transport.config import TransportConfig
+from kvstore.transport.factory import open_transport
+from kvstore.transport.ucx import import_ucxx
+from kvstore.transport.wire import HEADER_BYTES, FrameHeader, FrameKind, control_header, encode_control
+
+KiB, MiB = 1024, 1024 * 1024
+BLOCK_SIZES = (256 * KiB, MiB, 4 * MiB)
+OVERLAP_BLOCK_BYTES = MiB
+IDLE_SECONDS = 2.0
+WINDOW = TransportConfig().window_blocks
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- links: one sender process each, run(block_bytes) -> seconds ---------------------
+class FramedLink:
+    """kvstore's transport: frames with checksums, each payload received into its slice."""
+
+    def __init__(self, kind: str, destination: memoryview) -> None:
+        self.kind, self.destination = kind, destination
+
+    async def __aenter__(self) -> "FramedLink":
+        self.transport = open_transport(TransportConfig(kind=self.kind, window_blocks=WINDOW))
+        accepted: asyncio.Queue = asyncio.Queue()
+        self.finished = asyncio.Event()
+
+        async def on_channel(channel):
+            await accepted.put(channel)
+            await self.finished.wait()
+
+        address = await self.transport.listen("127.0.0.1", 0, on_channel)
+        self.sender = start_sender(f"kvstore-{self.kind}", address, len(self.destination))
+        self.channel = await asyncio.wait_for(accepted.get(), 60)
+        return self
+
+    async def run(self, block_bytes: int, consume=None) -> float:
+        start = time.perf_counter()
+        await self.channel.send(*request(block_bytes))
+        offset, pending = 0, []
+        loop = asyncio.get_running_loop()
+        while offset < len(self.destination):
+            header = await self.channel.recv_header()
+            slot = self.destination[offset : offset + header.length]
+            await self.channel.recv_payload(slot)
+            header.verify(slot)
+            if consume is not None:
+                pending.append(loop.run_in_executor(consume[0], consume[1], slot))
+            offset += header.length
+        await asyncio.gather(*pending)
+        return time.perf_counter() - start
+
+    async def __aexit__(self, *exc_info) -> None:
+        with contextlib.suppress(Exception):
+            await self.channel.send(*request(0))
+        stop_sender(self.sender)
+        self.finished.set()
+        await self.transport.close()
+
+
+class RawSocketLink:
+    """Blocking sockets, no event loop: everything as one ``sendall`` against ``recv_into``
+    (a block size equal to everything), or the same frames and checksums as kvstore's."""
+
+    def __init__(self, destination: memoryview) -> None:
+        self.destination = destination
+
+    async def __aenter__(self) -> "RawSocketLink":
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            server.settimeout(60)
+            self.sender = start_sender("raw-tcp", f"tcp://127.0.0.1:{server.getsockname()[1]}", len(self.destination))
+            self.conn, _ = server.accept()
+        self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self
+
+    async def run(self, block_bytes: int) -> float:
+        start = time.perf_counter()
+        self.conn.sendall(block_bytes.to_bytes(8, "little"))
+        if block_bytes == len(self.destination):
+            self.recv_exactly(self.destination)
+            return time.perf_counter() - start
+        header_buffer, offset = bytearray(HEADER_BYTES), 0
+        while offset < len(self.destination):
+            self.recv_exactly(memoryview(header_buffer))
+            header = FrameHeader.unpack(header_buffer)
+            slot = self.destination[offset : offset + header.length]
+            self.recv_exactly(slot)
+            header.verify(slot)
+            offset += header.length
+        return time.perf_counter() - start
+
+    def recv_exactly(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            count = self.conn.recv_into(view[got:])
+            if not count:
+                raise ConnectionError("the raw-tcp sender closed the connection")
+            got += count
+
+    async def __aexit__(self, *exc_info) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.sendall(bytes(8))
+        stop_sender(self.sender)
+        self.conn.close()
+
+
+class RawUcxLink:
+    """ucxx tagged messages of the bare blocks (one message when the block is everything)."""
+
+    def __init__(self, destination: memoryview) -> None:
+        self.destination = destination
+
+    async def __aenter__(self) -> "RawUcxLink":
+        ucxx = import_ucxx(TransportConfig(kind="ucx"))
+        accepted: asyncio.Queue = asyncio.Queue()
+
+        async def on_endpoint(endpoint):  # the endpoint lives on in self.endpoint
+            await accepted.put(endpoint)
+
+        self.listener = ucxx.create_listener(on_endpoint, 0)
+        self.sender = start_sender("raw-ucx", f"ucx://127.0.0.1:{self.listener.port}", len(self.destination))
+        self.endpoint = await asyncio.wait_for(accepted.get(), 60)
+        return self
+
+    async def run(self, block_bytes: int) -> float:
+        start = time.perf_counter()
+        await self.endpoint.send(block_bytes.to_bytes(8, "little"))
+        for offset in range(0, len(self.destination), block_bytes):
+            await self.endpoint.recv(self.destination[offset : offset + block_bytes])
+        return time.perf_counter() - start
+
+    async def __aexit__(self, *exc_info) -> None:
+        with contextlib.suppress(Exception):
+            await self.endpoint.send(bytes(8))
+        stop_sender(self.sender)
+        await self.endpoint.close()
+        self.listener.close()
+
+
+def start_sender(mode: str, address: str, total_bytes: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "bench.transport_sender", mode, address, str(total_bytes), str(WINDOW)]
+    return subprocess.Popen(command, cwd=ROOT)
+
+
+def stop_sender(process: subprocess.Popen) -> None:
+    try:
+        process.wait(timeout=30)
+    finally:
+        process.kill()
+        process.wait()
+
+
+def request(block_bytes: int) -> tuple:
+    payload = encode_control({"block_bytes": block_bytes})
+    return control_header(FrameKind.CONTROL, 1, payload), payload
+
+
+# -- overlap ---------------------------------------------------------------------------
+class LayerCompute:
+    """A stand-in for a layer's compute over each received block: passes over its bytes
+    (on the GPU where there is one, after a host-to-device copy), as many as make computing
+    every block take about as long as receiving them. Torch releases the GIL meanwhile."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.passes = 1
+
+    def __call__(self, block: memoryview) -> None:
+        values = torch.frombuffer(block, dtype=torch.uint8).to(self.device)
+        for _ in range(self.passes):
+            values.sum(dtype=torch.int32)
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def calibrate(self, block: memoryview, seconds_per_block: float) -> None:
+        self.passes = 10
+        per_pass = min(timed(lambda: self(block)) for _ in range(7)) / 10
+        self.passes = max(1, round(seconds_per_block / per_pass))
+
+
+async def bench_overlap(link: FramedLink, repeats: int) -> dict:
+    compute = LayerCompute("cuda" if torch.cuda.is_available() else "cpu")
+    blocks = [link.destination[offset : offset + OVERLAP_BLOCK_BYTES] for offset in range(0, len(link.destination), OVERLAP_BLOCK_BYTES)]
+    transfer = min([await link.run(OVERLAP_BLOCK_BYTES) for _ in range(repeats)])
+    compute.calibrate(blocks[0], transfer / len(blocks))
+    def compute_alone() -> float:
+        """Every block computed as if it had just arrived: cache-warm, as a consumer sees it."""
+        total = 0.0
+        for block in blocks:
+            compute(block)
+            total += timed(lambda: compute(block))
+        return total
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        together, alone = [], []
+        for _ in range(repeats):  # interleaved, so that all three see the same machine
+            alone.append(await asyncio.get_running_loop().run_in_executor(pool, compute_alone))
+            together.append(await link.run(OVERLAP_BLOCK_BYTES, (pool, compute)))
+            transfer = min(transfer, await link.run(OVERLAP_BLOCK_BYTES))
+    return {
+        "transfer_s": transfer,
+        "compute_s": min(alone),
+        "together_s": min(together),
+        "efficiency": min(together) / max(transfer, min(alone)),
+        "device": compute.device,
+        "passes_per_block": compute.passes,
+    }
+
+
+async def bench_links(total_bytes: int, has_ucx: bool, repeats: int) -> dict:
+    """Best seconds per (link, block size). TCP runs first, before UCX starts in this
+    process (ucxx's blocking progress keeps the event loop busy, which would slow every
+    other measurement); within a family the links take turns, so that each sees the same
+    machine (other work on it shifts every figure alike)."""
+    destination = memoryview(bytearray(total_bytes))
+    families = [("tcp", RawSocketLink(destination))] + ([("ucx", RawUcxLink(destination))] if has_ucx else [])
+    best: dict = {}
+    for kind, raw_link in families:
+        async with raw_link, FramedLink(kind, destination) as framed:
+            links = {f"raw_{kind}": raw_link, f"kvstore_{kind}": framed}
+            for _ in range(repeats):
+                for block_bytes in (total_bytes, *BLOCK_SIZES):  # total_bytes: the raw link's one message
+                    for name, link in links.items():
+                        if block_bytes < total_bytes or name.startswith("raw"):
+                            seconds = await link.run(block_bytes)
+                            best[name, block_bytes] = min(seconds, best.get((name, block_bytes), seconds))
+            best["overlap", kind] = await bench_overlap(framed, repeats)
+            best["idle_cpu", kind] = await idle_cpu(IDLE_SECONDS)
+    return best
+
+
+async def idle_cpu(seconds: float) -> float:
+    """Cores this process uses while its channel is open and nothing moves."""
+    start_cpu, start = time.process_time(), time.perf_counter()
+    await asyncio.sleep(seconds)
+    return (time.process_time() - start_cpu) / (time.perf_counter() - start)
+
+
+def timed(work) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+# -- report ----------------------------------------------------------------------------
+def label_of(block_bytes: int) -> str:
+    return f"{block_bytes // KiB}KiB" if block_bytes < MiB else f"{block_bytes // MiB}MiB"
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    total, repeats = (32 * MiB, 3) if args.quick else (64 * MiB, 7)
+    torch.set_num_threads(1)  # the consumer is one thread, as a layer's host-side work would be
+    report = Report("transport")
+    try:
+        import_ucxx(TransportConfig(kind="ucx"))  # the UCX defaults reach the senders' environment too
+        has_ucx = True
+    except TierUnavailable as exc:
+        print(f"UCX rows skipped: {exc}")
+        has_ucx = False
+    best = asyncio.run(bench_links(total, has_ucx, repeats))
+
+    # (column, link, block size or None for "this row's", ratio name of kvstore / it)
+    measures = [("raw socket 1 buf", "raw_tcp", total, "tcp_vs_raw_socket"), ("raw socket framed", "raw_tcp", None, "tcp_vs_blocking_framed"), ("kv tcp", "kvstore_tcp", None, "")]
+    if has_ucx:
+        measures += [("raw ucx 1 msg", "raw_ucx", total, "ucx_vs_raw_ucx_1msg"), ("raw ucx blocks", "raw_ucx", None, "ucx_vs_raw_ucx_blocks"), ("kv ucx", "kvstore_ucx", None, "")]
+    rows = []
+    for block_bytes in BLOCK_SIZES:
+        label = label_of(block_bytes)
+        row = {"block_bytes": block_bytes}
+        for column, link, size, _ in measures:
+            row[column] = gbps(total, best[link, size or block_bytes])
+        for column, link, _, ratio in measures:
+            if ratio:
+                kvstore = row["kv " + link.split("_")[1]]
+                report.ratio(f"{ratio}_{label}", kvstore / row[column], ">= 0.8")
+        report.results.append(row)
+        rows.append([label] + [row[column] for column, *_ in measures])
+    report.print_table(
+        f"throughput (GB/s, best of {repeats}, {total // MiB} MiB from a sender process; kv: kvstore framed, checksummed, received in place; "
+        "raw framed / blocks: the same block sizes, with kvstore's headers and checksums over a blocking socket / bare over ucxx)",
+        ["block"] + [column for column, *_ in measures],
+        rows,
+    )
+
+    overlap_rows = []
+    for kind in ("tcp", "ucx") if has_ucx else ("tcp",):
+        overlap = best["overlap", kind]
+        report.results.append({"overlap": kind, **overlap})
+        report.ratio(f"overlap_{kind}", overlap["efficiency"], "<= 1.15")
+        overlap_rows.append([kind, overlap["device"], overlap["transfer_s"], overlap["compute_s"], overlap["together_s"], overlap["efficiency"]])
+    report.print_table(
+        f"overlap ({OVERLAP_BLOCK_BYTES // MiB} MiB blocks consumed by a compute thread as they arrive; efficiency = together / max(transfer, compute))",
+        ["transport", "compute on", "transfer s", "compute s", "together s", "efficiency"],
+        overlap_rows,
+    )
+    idle_rows = []
+    for kind in ("tcp", "ucx") if has_ucx else ("tcp",):
+        cores = best["idle_cpu", kind]
+        report.results.append({"idle_cpu": kind, "cores": cores})
+        report.ratio(f"idle_cores_{kind}", cores, "<= 0.05")
+        idle_rows.append([kind, cores])
+    report.print_table(f"idle cost (cores the receiving process uses over {IDLE_SECONDS:g} s with its channel open and no traffic)", ["transport", "cores"], idle_rows)
+    report.emit(args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The cached blocks of a node and which of them may be evicted: the catalogue and one
+eviction policy per tier, kept in step.
+
+Invariant: a block is in its tier's policy exactly when it is cached and evictable (no
+lease, hold or pin). Every change of a block's holds, pin, children or reachability goes
+through here so that the invariant holds. A hold is how the rest of the manager keeps a
+block from being picked while it works on it (a read lease, a move, the chain a
+reservation extends); ``unhold`` drops the block instead of returning it to its policy
+when its tier failed meanwhile, so a failed tier's blocks all go once nobody holds them.
+
+Owner: the tier manager's thread (see tiers/manager.py); not thread-safe.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Iterable, Sequence
+
+from kvstore.events import BlockRemoved, EventQueue, RemovalReason
+from kvstore.tiers.base import TierKind
+from kvstore.tiers.catalogue import BlockEntry, Catalogue
+from kvstore.tiers.eviction import make_policy
+from kvstore.tiers.stack import TierStack
+
+__all__ = ["Residency"]
+
+
+class Residency:
+    def __init__(self, stack: TierStack, eviction_policy: str, events: EventQueue, counters: collections.Counter[str]) -> None:
+        self._stack = stack
+        self._policies = {kind: make_policy(eviction_policy) for kind in stack.order}
+        self._events = events
+        self._counters = counters
+        self.catalogue = Catalogue(self._reclassify)
+
+    def add(self, entries: Sequence[BlockEntry]) -> None:
+        """Cache new blocks. They join their policies once all of them are linked: each
+        block of a chain enters its final group (interior, or leaf for the chain's tail)
+        instead of entering as a leaf and moving when its child arrives."""
+        for entry in entries:
+            self.catalogue.insert(entry)
+        for entry in entries:
+            self._policies[entry.tier].insert(entry)
+
+    def victim(self, kind: TierKind) -> BlockEntry | None:
+        """The block that ``kind``'s policy would evict next, if any may be."""
+        return self._policies[kind].victim()
+
+    def hold(self, entry: BlockEntry) -> None:
+        if entry.evictable:
+            self._policies[entry.tier].remove(entry)
+        entry.num_leases += 1
+
+    def unhold(self, entry: BlockEntry) -> None:
+        entry.num_leases -= 1
+        if not entry.evictable or not self.is_cached(entry):
+            return
+        if entry.tier in self._stack.failed:
+            self.drop(entry, RemovalReason.TIER_FAILED)
+        else:
+            self._policies[entry.tier].insert(entry)
+
+    def drop(self, entry: BlockEntry, reason: RemovalReason) -> None:
+        if entry.evictable:
+            self._policies[entry.tier].remove(entry)
+        self.catalogue.remove(entry)
+        self._stack.free_quietly(entry.tier, entry.slot)
+        self._events.append(BlockRemoved(entry.key[0], (entry.key[1],), entry.tier, reason))
+        self._counters[f"evicted_{reason.value}"] += 1
+
+    def set_moving(self, entry: BlockEntry, moving: bool) -> None:
+        """A block on its way out of its tier stops counting as a child there, so its
+        parent may be picked next in the same batch."""
+        entry.moving = moving
+        if entry.parent is not None:
+            self._reclassify(entry.parent)
+
+    def pin(self, entries: Iterable[BlockEntry]) -> int:
+        count = 0
+        for entry in entries:
+            if entry.evictable:
+                self._policies[entry.tier].remove(entry)
+            entry.pinned = True
+            count += 1
+        return count
+
+    def unpin(self, entries: Iterable[BlockEntry]) -> int:
+        count = 0
+        for entry in entries:
+            if entry.pinned:
+                entry.pinned = False
+                if entry.evictable:
+                    self._policies[entry.tier].insert(entry)
+                count += 1
+        return count
+
+    def is_cached(self, entry: BlockEntry) -> bool:
+        """False once ``entry`` was dropped (it may still be held by whoever took it)."""
+        return self.catalogue.get(entry.key) is entry
+
+    def _reclassify(self, entry: BlockEntry) -> None:
+        if entry.evictable:
+            self._policies[entry.tier].reclassify(entry)

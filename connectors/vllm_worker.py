@@ -14,6 +14,10 @@ the forward pass has written it; ``finish_step`` commits once every layer is in 
 aborts, when any load of the step failed, since tokens computed on top of a block that
 did not load must never be stored.
 
+Prefill/decode handoffs (``vllm_handoff``): the sender's layer copies share the copy
+thread and its handoffs are cancelled in a step whose loads failed; the receiver runs
+on its own thread and reports through ``finished_receiving``.
+
 Owner: vLLM's worker thread calls every method; the copy thread only runs the copies
 queued here and touches nothing else.
 """

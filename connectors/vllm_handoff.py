@@ -17,6 +17,9 @@ engine's blocks as it arrives and reports the request finished; blocks it could 
 fill (fewer sent, other hashes, a transfer that broke off) are reported as load errors
 and recomputed.
 
+With tensor parallelism every rank hands off its own KV heads under its own namespace,
+as its own handoff: the daemons see ``TRANSFER_ID/rankN``.
+
 Owners: ``HandoffSender`` — vLLM's worker thread (its copies run on the worker's copy
 thread); ``HandoffReceiver`` — its methods on the worker thread, its transfers on its
 own thread, which alone uses its client.
@@ -25,7 +28,7 @@ own thread, which alone uses its client.
 from __future__ import annotations
 
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -37,9 +40,14 @@ from kvstore.connectors.vllm_meta import HandoffSpec, LoadSpec
 from kvstore.errors import KVStoreError
 from kvstore.namespace import Namespace
 
-__all__ = ["HandoffSender", "HandoffReceiver"]
+__all__ = ["HandoffSender", "HandoffReceiver", "rank_transfer_id"]
 
 logger = connector_logger(__name__)
+
+
+def rank_transfer_id(transfer_id: str, tp_rank: int) -> str:
+    """The daemons' id for one tensor-parallel rank's share of a request's handoff."""
+    return f"{transfer_id}/rank{tp_rank}"
 
 
 @dataclass
@@ -57,7 +65,9 @@ class _StepSends:
 
 
 class HandoffSender:
-    def __init__(self, client: KVStoreClient, digest: bytes, copier: LayerCopier, executor: Executor, timeout_s: float) -> None:
+    def __init__(self, client: KVStoreClient, digest: bytes, copier: LayerCopier, executor: Executor, timeout_s: float,
+                 tp_rank: int) -> None:
+        self._tp_rank = tp_rank
         self._client = client
         self._digest = digest
         self._copier = copier
@@ -95,6 +105,7 @@ class HandoffSender:
         self._step = None
 
     def _open(self, spec: HandoffSpec) -> _Outgoing | None:
+        spec = replace(spec, transfer_id=rank_transfer_id(spec.transfer_id, self._tp_rank))
         try:
             sending = self._client.handoff_send(self._digest, spec.hashes, spec.transfer_id, spec.destination)
         except KVStoreError as exc:
@@ -147,6 +158,7 @@ class HandoffSender:
 class HandoffReceiver:
     def __init__(self, socket_path: str, namespace: Namespace, copier: LayerCopier, caches: Sequence[torch.Tensor],
                  timeout_s: float) -> None:
+        self._tp_rank = namespace.tp_rank
         self._socket_path = socket_path
         self._namespace = namespace
         self._copier = copier
@@ -159,6 +171,7 @@ class HandoffReceiver:
         self.failures = 0
 
     def start(self, spec: LoadSpec) -> None:
+        spec = replace(spec, transfer_id=rank_transfer_id(spec.transfer_id, self._tp_rank))
         self._jobs[spec.req_id] = self._executor.submit(self._receive, spec)
 
     def take_finished(self) -> tuple[set[str], set[int]]:
@@ -172,8 +185,9 @@ class HandoffReceiver:
         return finished, failed
 
     def close(self) -> None:
-        self._executor.submit(self._disconnect)
-        self._executor.shutdown(wait=True)
+        self._executor.shutdown(wait=True)  # the receiving thread is done with its client after this
+        if self._client is not None:
+            self._client.close()
 
     def _receive(self, spec: LoadSpec) -> set[int]:
         """Runs on the receiving thread; returns the engine blocks left unfilled."""
@@ -215,7 +229,3 @@ class HandoffReceiver:
             self._client = KVStoreClient(self._socket_path)
             self._client.register_namespace(self._namespace)
         return self._client
-
-    def _disconnect(self) -> None:
-        if self._client is not None:
-            self._client.close()

@@ -107,7 +107,7 @@ class WorkerSide:
         self._copier = LayerCopier(namespace.layout, self._caches[0].dtype, orders)
         self._block_bytes = namespace.layout.block_bytes
         timeout = self._settings.handoff_timeout_s
-        self._sender = HandoffSender(self._client, self._digest, self._copier, self._executor, timeout)
+        self._sender = HandoffSender(self._client, self._digest, self._copier, self._executor, timeout, namespace.tp_rank)
         self._receiver = HandoffReceiver(self._settings.socket_path, namespace, self._copier, self._caches, timeout)
         logger.info("kvstore: worker registered %d layers, namespace %s, daemon node %s",
                     len(ordered), namespace.id, self._client.node_id)

@@ -85,7 +85,10 @@ class Store:
             request["kv_transfer_params"] = params
         plan = {"model": str(self.model), "block_size": BLOCK, "max_model_len": 4096, "connector": connector,
                 "requests": requests}
-        return engine_process(plan, self.workdir, name)
+        report = engine_process(plan, self.workdir, name)
+        log = (self.workdir / f"{name}.log").read_text()
+        assert "Traceback" not in log, log[-6000:]  # nothing failed quietly, shutdown included
+        return report
 
     def namespace(self) -> Namespace:
         """The namespace the connector must derive for this model: path, bf16, HND planes."""

@@ -27,7 +27,7 @@ own thread, which alone uses its client.
 
 from __future__ import annotations
 
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -35,7 +35,7 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.connectors.vllm_compat import connector_logger
-from kvstore.connectors.vllm_layout import BlockRun, LayerCopier, runs_of
+from kvstore.connectors.vllm_layout import BlockRun, CopyJob, CopyThread, LayerCopier, runs_of
 from kvstore.connectors.vllm_meta import HandoffSpec, LoadSpec
 from kvstore.errors import KVStoreError
 from kvstore.namespace import Namespace
@@ -61,17 +61,17 @@ class _Outgoing:
 @dataclass
 class _StepSends:
     handoffs: list[_Outgoing] = field(default_factory=list)
-    copies: list[tuple[int, Future]] = field(default_factory=list)  # (layer, its copy), in layer order
+    copies: list[tuple[int, CopyJob]] = field(default_factory=list)  # (layer, its copy), in layer order
 
 
 class HandoffSender:
-    def __init__(self, client: KVStoreClient, digest: bytes, copier: LayerCopier, executor: Executor, timeout_s: float,
+    def __init__(self, client: KVStoreClient, digest: bytes, copier: LayerCopier, copies: CopyThread, timeout_s: float,
                  tp_rank: int) -> None:
         self._tp_rank = tp_rank
         self._client = client
         self._digest = digest
         self._copier = copier
-        self._executor = executor
+        self._copies = copies
         self._timeout_s = timeout_s
         self._step: _StepSends | None = None
         self.blocks_sent = 0
@@ -85,7 +85,7 @@ class HandoffSender:
         self._announce_copied(wait=False)
         runs = [run for outgoing in self._step.handoffs if not outgoing.failed for run in outgoing.runs]
         if runs:
-            self._step.copies.append((layer, self._executor.submit(self._copier.save, cache, layer, runs)))
+            self._step.copies.append((layer, self._copies.submit(self._copier.save, cache, layer, runs)))
 
 
     def finish_step(self, abandon: bool) -> None:

@@ -15,21 +15,26 @@ token, dim) — true of the ``vec`` kernel — and a gather/scatter through the 
 otherwise. ``LayerCopier`` moves one layer of many blocks at once: engine blocks with
 consecutive ids whose slab slots are adjacent form a run, copied by one operation per
 plane (a fresh engine allocates consecutive blocks and the slab hands out adjacent
-slots, so an 8K-token prompt is a handful of runs rather than 256 copies). Pure torch;
-the engine call is injected.
+slots, so an 8K-token prompt is a handful of runs rather than 256 copies). Copies run
+on a ``CopyThread``, ahead of the forward pass; a copy still unstarted when the forward
+pass needs it runs on the engine's own thread instead (vLLM's compute threads keep every
+core busy, so the copy thread may not get one in time). Pure torch; the engine call is
+injected.
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from kvstore.errors import InvalidArgument
 from kvstore.layout import KVLayout
 
-__all__ = ["BlockOrder", "CacheWriter", "LayerCopier", "BlockRun", "runs_of"]
+__all__ = ["BlockOrder", "CacheWriter", "LayerCopier", "BlockRun", "runs_of", "CopyThread", "CopyJob"]
 
 # writes keys and values (tokens × heads × dim each) into token slots 0… of a one-block scratch cache
 CacheWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -165,3 +170,57 @@ def _affine_planes(gather: torch.Tensor, shape: tuple[int, int, int]) -> list[tu
             return None
         found.append((strides, offset))
     return found
+
+
+class CopyJob:
+    """One queued copy, run once by whichever thread claims it first."""
+
+    def __init__(self, copy: Callable[..., None], args: tuple[Any, ...]) -> None:
+        self._copy = copy
+        self._args = args
+        self._claim = threading.Lock()
+        self._claimed = False
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        with self._claim:
+            if self._claimed:
+                return
+            self._claimed = True
+        try:
+            self._copy(*self._args)
+        except Exception as exc:  # handed to whoever waits for the copy
+            self._error = exc
+        finally:
+            self._finished.set()
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def exception(self) -> BaseException | None:
+        """Wait for the copy — running it here if no thread has started it — and return
+        what it raised, or None."""
+        self.run()
+        self._finished.wait()
+        return self._error
+
+    def result(self) -> None:
+        error = self.exception()
+        if error is not None:
+            raise error
+
+
+class CopyThread:
+    """The thread that runs copies ahead of the engine (one: copies of a step go in order)."""
+
+    def __init__(self, name: str) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    def submit(self, copy: Callable[..., None], *args: Any) -> CopyJob:
+        job = CopyJob(copy, args)
+        self._executor.submit(job.run)
+        return job
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)

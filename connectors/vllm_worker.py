@@ -4,7 +4,8 @@ daemon's shared-memory slab, one layer at a time.
 Loading: ``start_load`` leases the stored blocks of every request of the step (one round
 trip each; the daemon promotes NVMe blocks and verifies them first) and queues one copy
 per layer on a copy thread, so layer i+1 is copied while the forward pass computes layer
-i; ``wait_for_layer`` blocks only until that layer's copy is done. Blocks the lease does
+i; ``wait_for_layer`` blocks only until that layer's copy is done (and runs it itself if
+the copy thread has not started it). Blocks the lease does
 not cover (evicted since the scheduler's lookup, or failed verification) are reported
 as load errors and vLLM recomputes them.
 
@@ -24,7 +25,6 @@ queued here and touches nothing else.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -40,7 +40,7 @@ from kvstore.connectors.vllm_compat import (
     worker_tp_rank,
 )
 from kvstore.connectors.vllm_handoff import HandoffReceiver, HandoffSender
-from kvstore.connectors.vllm_layout import BlockOrder, BlockRun, LayerCopier, runs_of
+from kvstore.connectors.vllm_layout import BlockOrder, BlockRun, CopyJob, CopyThread, LayerCopier, runs_of
 from kvstore.connectors.vllm_meta import ConnectorSettings, KVStoreConnectorMetadata, SaveSpec, namespace_for
 from kvstore.errors import InvalidArgument, KVStoreError
 
@@ -71,16 +71,16 @@ class WorkerSide:
         self._layer_of: dict[str, int] = {}
         self._copier: LayerCopier | None = None
         self._block_bytes = 0
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-copy")
+        self._copies = CopyThread("kvstore-copy")
         self._sender: HandoffSender | None = None  # PD producer
         self._receiver: HandoffReceiver | None = None  # PD consumer
         # this step's state, cleared by finish_step
         self._leases: list[Lease] = []
-        self._layer_loads: list[Future] = []
+        self._layer_loads: list[CopyJob] = []
         self._loading_block_ids: list[int] = []
         self._saves: list[tuple[SaveSpec, PendingSave]] | None = None
         self._save_runs: list[BlockRun] = []
-        self._layer_saves: list[Future] = []
+        self._layer_saves: list[CopyJob] = []
         self._saved_layers: set[int] = set()
         self._step_failed = False
         self._load_errors: set[int] = set()
@@ -107,7 +107,7 @@ class WorkerSide:
         self._copier = LayerCopier(namespace.layout, self._caches[0].dtype, orders)
         self._block_bytes = namespace.layout.block_bytes
         timeout = self._settings.handoff_timeout_s
-        self._sender = HandoffSender(self._client, self._digest, self._copier, self._executor, timeout, namespace.tp_rank)
+        self._sender = HandoffSender(self._client, self._digest, self._copier, self._copies, timeout, namespace.tp_rank)
         self._receiver = HandoffReceiver(self._settings.socket_path, namespace, self._copier, self._caches, timeout)
         logger.info("kvstore: worker registered %d layers, namespace %s, daemon node %s",
                     len(ordered), namespace.id, self._client.node_id)
@@ -130,7 +130,7 @@ class WorkerSide:
                 self._loading_block_ids.extend(spec.block_ids[:loaded])
                 self.counters.loaded_blocks += loaded
         if runs:
-            self._layer_loads = [self._executor.submit(self._copier.load, cache, layer, runs)
+            self._layer_loads = [self._copies.submit(self._copier.load, cache, layer, runs)
                                  for layer, cache in enumerate(self._caches)]
 
     def wait_for_layer(self, layer_name: str) -> None:
@@ -165,7 +165,7 @@ class WorkerSide:
                                for run in runs_of([spec.block_ids[i] for i in pending.indices], pending.views, self._block_bytes)]
         self._saved_layers.add(layer)
         if self._save_runs:
-            self._layer_saves.append(self._executor.submit(self._copier.save, self._caches[layer], layer, self._save_runs))
+            self._layer_saves.append(self._copies.submit(self._copier.save, self._caches[layer], layer, self._save_runs))
 
     def finish_step(self) -> None:
         """End of the forward pass: loads are done, so release their leases; commit the
@@ -197,7 +197,7 @@ class WorkerSide:
         self._step_failed = False
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        self._copies.shutdown()
         if self._receiver is not None:
             self._receiver.close()
         if self._client is not None:

@@ -9,7 +9,9 @@ gather path), and broken ones that lose or duplicate elements.
 import pytest
 import torch
 
-from kvstore.connectors.vllm_layout import BlockOrder, LayerCopier, runs_of
+import threading
+
+from kvstore.connectors.vllm_layout import BlockOrder, CopyThread, LayerCopier, runs_of
 from kvstore.errors import InvalidArgument
 from kvstore.layout import KVLayout
 
@@ -117,3 +119,30 @@ def test_the_layer_copier_moves_one_layer_of_every_run_and_nothing_else(writer):
     copier.load(restored, 1, runs)
     assert torch.equal(restored[blocks], caches[1][blocks])
     assert not restored[[b for b in range(12) if b not in blocks]].any()
+
+
+def test_a_copy_the_copy_thread_has_not_started_runs_on_the_waiting_thread_once():
+    copies = CopyThread("test-copy")
+    release = threading.Event()
+    ran_on: list[str] = []
+    blocker = copies.submit(release.wait)  # keeps the copy thread busy
+    job = copies.submit(lambda: ran_on.append(threading.current_thread().name))
+    assert job.exception() is None  # did not wait for the blocked thread: ran here
+    assert ran_on == [threading.current_thread().name]
+    release.set()
+    blocker.result()
+    copies.shutdown()
+    assert ran_on == [threading.current_thread().name]  # the copy thread skipped it
+
+
+def test_a_failed_copy_hands_its_error_to_the_waiter():
+    copies = CopyThread("test-copy")
+
+    def broken():
+        raise RuntimeError("slab view out of range")
+
+    job = copies.submit(broken)
+    assert isinstance(job.exception(), RuntimeError)
+    with pytest.raises(RuntimeError, match="out of range"):
+        job.result()
+    copies.shutdown()

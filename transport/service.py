@@ -173,8 +173,8 @@ class TransferService:
         verified: set[int] = set()
         channel = None
         try:
-            channel = await asyncio.wait_for(self.pool.checkout(address), deadline_s)
-            async with asyncio.timeout(deadline_s):
+            async with asyncio.timeout(deadline_s):  # one deadline for connecting and receiving
+                channel = await self.pool.checkout(address)
                 reply = await request(channel, transfer_id, {"op": "fetch", "namespace": digest, "hashes": pack_hashes(wanted)})
                 count = int(reply["count"])
                 if count > len(wanted):

@@ -13,7 +13,6 @@ Owner: the daemon's event loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Callable, Sequence
@@ -134,12 +133,17 @@ class HandoffRegistry:
         """The consumer is done reading (or went away)."""
         self._readers.get(session, set()).discard(transfer_id)
         handoff = self.incoming.get(transfer_id)
-        if handoff is None:
-            return
+        if handoff is not None:
+            self._end_incoming(handoff, "the consumer closed it before every layer arrived")
+
+    def _end_incoming(self, handoff: IncomingHandoff, reason: str) -> None:
+        """Nobody will read this handoff again: fail it if it is still open, let go of its
+        reader and free its staging."""
+        for readers in self._readers.values():
+            readers.discard(handoff.transfer_id)
         handoff.attached = False
         handoff.reader_done = True
-        if handoff.state is HandoffState.OPEN:
-            handoff.fail("the consumer closed it before every layer arrived")
+        handoff.fail(reason)
         self.settle(handoff)
 
     def store_incoming(self, handoff: IncomingHandoff) -> int:
@@ -180,11 +184,7 @@ class HandoffRegistry:
             self.close_outgoing(handoff)
             expired += 1
         for handoff in [h for h in self.incoming.values() if h.expired(now)]:
-            handoff.fail(f"it did not finish within {self.timeout_s}s")
-            handoff.attached = False
-            for readers in self._readers.values():
-                readers.discard(handoff.transfer_id)
-            self.settle(handoff)
+            self._end_incoming(handoff, f"it did not finish within {self.timeout_s}s")
             expired += 1
         return expired
 
@@ -192,10 +192,6 @@ class HandoffRegistry:
         for handoff in list(self.outgoing.values()):
             self.close_outgoing(handoff)
         for handoff in list(self.incoming.values()):
-            handoff.fail("the daemon is stopping")
-            handoff.attached = False
-            handoff.deadline = 0.0
-            self.settle(handoff)
+            self._end_incoming(handoff, "the daemon is stopping")
         for arrival in self._arrivals.values():
-            with contextlib.suppress(Exception):
-                arrival.set()
+            arrival.set()

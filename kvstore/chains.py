@@ -17,12 +17,13 @@ Both stop at a byte budget and return chains in the order they should be sent.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from kvstore.hashing import BlockHash
+from kvstore.namespace import Namespace
 from kvstore.tiers.records import BlockInfo
 
-__all__ = ["Chain", "drain_plan", "shared_prefixes"]
+__all__ = ["Chain", "describable", "drain_plan", "shared_prefixes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,13 @@ def _take(forest: _Forest, targets: list[BlockInfo], max_bytes: int) -> list[Cha
         taken.update((b.namespace, b.block_hash) for b in path)
         chains.append(Chain(path[0].namespace, path[0].parent_hash, tuple(b.block_hash for b in path), nbytes))
     return chains
+
+
+def describable(blocks: Iterable[BlockInfo], namespaces: Mapping[bytes, Namespace | None]) -> list[BlockInfo]:
+    """The blocks whose namespace an engine has registered here. A peer is sent the
+    namespace's fields with its blocks; blocks recovered from NVMe under a namespace that
+    nobody has registered since cannot be described, so they stay."""
+    return [b for b in blocks if namespaces.get(b.namespace) is not None]
 
 
 def drain_plan(blocks: Iterable[BlockInfo], max_bytes: int = 0) -> list[Chain]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from kvstore.chains import drain_plan
+from kvstore.chains import describable, drain_plan
 from kvstore.errors import KVStoreError, NotFound
 from kvstore.index.base import Index, NodeInfo, SessionStore
 from kvstore.transport.service import TransferService
@@ -58,8 +58,8 @@ async def drain(
         except KVStoreError as exc:
             logger.warning("drain: peer %s is unreachable: %s", peer.node_id, exc)
     addresses = {p.node_id: p.transport_address for p in peers}
-    known = {digest: ns for digest, ns in manager.namespaces().items() if ns is not None}
-    chains = drain_plan([b for b in manager.blocks() if b.namespace in known], max_bytes)
+    namespaces = manager.namespaces()
+    chains = drain_plan(describable(manager.blocks(), namespaces), max_bytes)
     report = MoveReport()
     for chain in chains:
         peer_id = max(room, key=room.__getitem__, default=None)
@@ -67,7 +67,7 @@ async def drain(
             report.remaining_blocks += chain.num_blocks
             continue
         try:
-            stored = await service.push_chain(addresses[peer_id], known[chain.namespace], chain.hashes, chain.parent)
+            stored = await service.push_chain(addresses[peer_id], namespaces[chain.namespace], chain.hashes, chain.parent)
         except KVStoreError as exc:
             logger.warning("drain: pushing %d blocks to %s failed: %s", chain.num_blocks, peer_id, exc)
             room.pop(peer_id)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from kvstore.chains import shared_prefixes
+from kvstore.chains import describable, shared_prefixes
 from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, TransferFailed
 from kvstore.localproto import namespace_from_wire, namespace_to_wire, pack_hashes, unpack_hashes
 from kvstore.tiers.base import TierKind
@@ -158,8 +158,7 @@ class PeerServer:
         await send_control(channel, transfer_id, {"node_id": self.node.node_id, "free_bytes": free})
 
     async def _hot(self, channel: Channel, transfer_id: int, message: dict) -> None:
-        known = {digest for digest, namespace in self.manager.namespaces().items() if namespace is not None}
-        blocks = [b for b in self.manager.blocks() if b.namespace in known]
+        blocks = describable(self.manager.blocks(), self.manager.namespaces())
         chains = shared_prefixes(blocks, int(message["max_bytes"]))
         reply = [[namespace_to_wire(self.node.namespace(c.namespace)), c.parent, pack_hashes(list(c.hashes))] for c in chains]
         await send_control(channel, transfer_id, {"chains": reply})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,3 +105,14 @@ def daemons(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
         for daemon in started:
             daemon.stop(signal.SIGKILL)
             Path(f"/dev/shm/{daemon.shm_name}").unlink(missing_ok=True)
+
+
+def eventually(check, timeout_s: float = 10.0):
+    """Poll ``check`` until it returns something truthy or ``timeout_s`` passes; returns its
+    last value (daemons publish to the index and free slots asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)

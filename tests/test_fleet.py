@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_harness import daemons
+from daemon_harness import daemons, eventually
 from engine_proc import LAYOUT, NAMESPACE
 from kvstore.api.client import ApiError, connect
 from kvstore.api.v1 import kvstore_pb2 as pb
@@ -31,15 +31,6 @@ def match(daemon, hashes, node_ids=()):
     with connect(daemon.address) as client:
         response = client.index.Match(pb.MatchRequest(namespace_id=NAMESPACE.digest, block_hashes=pb.BlockHashes(hashes=hashes), node_ids=list(node_ids)))
     return {n.node_id: n.matched_blocks for n in response.nodes}
-
-
-def eventually(check, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.1)
 
 
 @pytest.fixture

@@ -12,12 +12,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from daemon_harness import daemons
+from daemon_harness import eventually as _eventually
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
 
@@ -90,13 +90,8 @@ def metric(daemon, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name) and not line.startswith("#"))
 
 
-def eventually(check, timeout_s=15.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.1)
+def eventually(check):
+    return _eventually(check, timeout_s=15.0)  # three daemons and engines share two cores
 
 
 def indexed(daemon, node_id: str) -> bool:

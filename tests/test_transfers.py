@@ -15,6 +15,7 @@ from kvstore.drain import drain, warm
 from kvstore.errors import CorruptBlock, InvalidArgument, TransferFailed
 from kvstore.events import BlockStored
 from kvstore.hashing import chain_hashes
+from kvstore.index.base import NodeInfo
 from kvstore.index.embedded import EmbeddedIndex
 from kvstore.index.sessions import EmbeddedSessionStore
 from kvstore.layout import KVLayout
@@ -64,8 +65,6 @@ class Fleet:
         node = _node(name, num_blocks)
         service = TransferService(node, MemoryTransport(), TransportConfig(**config), self.index)
         address = await service.start()
-        from kvstore.index.base import NodeInfo
-
         await self.index.register(NodeInfo(name, transport_address=address), 60)
         self.services[name] = service
         return service

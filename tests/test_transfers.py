@@ -144,9 +144,9 @@ def test_a_fetch_past_its_deadline_keeps_what_arrived_and_frees_the_rest():
 
         original = peer.send_blocks
 
-        async def slow_send_blocks(channel, transfer_id, namespace, blocks, window, *args):
+        async def slow_send_blocks(channel, transfer_id, namespace, blocks, *args):
             for block in blocks:  # one block at a time, slower than the deadline allows
-                await original(channel, transfer_id, namespace, [block], 1, *args)
+                await original(channel, transfer_id, namespace, [block], *args)
                 await asyncio.sleep(0.2)
 
         import kvstore.transport.peer_server as serving

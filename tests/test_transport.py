@@ -19,11 +19,12 @@ import torch
 # before ucxx is first imported: keep UCX's network transports on loopback
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-from kvstore.errors import CorruptBlock, TierUnavailable, TransferFailed  # noqa: E402
+from kvstore.errors import CorruptBlock, InvalidArgument, TierUnavailable, TransferFailed  # noqa: E402
 from kvstore.transport.config import TransportConfig  # noqa: E402
 from kvstore.transport.factory import open_transport  # noqa: E402
+from kvstore.transport.peer import Landing  # noqa: E402
 from kvstore.transport.tcp import TcpTransport  # noqa: E402
-from kvstore.transport.ucx import INLINE_BYTES, import_ucxx  # noqa: E402
+from kvstore.transport.ucx import INLINE_BYTES, import_ucxx, pack_batch  # noqa: E402
 from kvstore.transport.wire import (  # noqa: E402
     HEADER_BYTES,
     FrameKind,
@@ -176,6 +177,39 @@ def test_send_many_delivers_a_window_of_blocks_in_order(kind):
             assert [h.sequence for h in headers] == list(range(len(sizes)))
             assert [h.key for h in headers] == [key_of(i) for i in range(len(sizes))]
             assert destination.tobytes() == b"".join(payloads)
+
+    run(body())
+
+
+def test_landing_posts_receives_ahead_and_verifies_each_block_in_order(kind):
+    """Receives posted ahead (UCX: a batch's worth before any lands) into slots out of
+    order; many small frames overflow a UCX batch message; one damaged block is dropped
+    and the stream stays in step."""
+    sizes = [4 * KiB] * 40 + [300 * KiB, 17, 2 * KiB, 1024 * KiB] * 12
+    payloads = [pattern(size, 300 + i) for i, size in enumerate(sizes)]
+    damaged = 45
+
+    async def body():
+        async with connected(kind) as (client, server):
+            slots, offset = [], 0
+            for size in reversed(sizes):  # later blocks at lower addresses
+                slots.insert(0, offset)
+                offset += size
+            slab = memoryview(bytearray(offset))
+            frames = [block_frame(i, p) for i, p in enumerate(payloads)]
+            frames[damaged] = (frames[damaged][0], bytes(len(payloads[damaged])))  # the header's checksum no longer matches
+            sending = asyncio.ensure_future(client.send_many(iter(frames)))
+            outcome: list[tuple[int, bool]] = []
+            landing = Landing(server, 8, lambda header, ok: outcome.append((header.sequence, ok)))
+            for _ in sizes:
+                header = await server.recv_header()
+                await landing.start(header, slab[slots[header.sequence] : slots[header.sequence] + header.length])
+            await landing.finish()
+            await sending
+            assert outcome == [(i, i != damaged) for i in range(len(sizes))]
+            for i, payload in enumerate(payloads):
+                if i != damaged:
+                    assert slab[slots[i] : slots[i] + len(payload)] == payload
 
     run(body())
 
@@ -335,8 +369,43 @@ def test_ucx_frames_tampered_at_the_sender_are_refused(ucx):
 
             forged = bytearray(block_frame(1, payload)[0].pack())
             forged[40] ^= 0xFF
-            await client._endpoint.send(forged)
+            await client._endpoint.send(pack_batch([forged], 1))
             with pytest.raises(CorruptBlock, match="checksum"):
+                await server.recv_header()
+            with pytest.raises(TransferFailed, match="out of step"):
+                await server.recv_header()
+
+    run(body())
+
+
+def test_ucx_channel_closed_with_receives_posted_lands_nothing_later(ucx):
+    """Close returns only once UCX has ended the receives still posted: a slot handed back
+    after close (a deadline) is never written by a late payload."""
+    payload = pattern(256 * KiB, 11)
+
+    async def body():
+        async with connected(ucx) as (client, server):
+            headers = [block_frame(i, payload)[0] for i in range(3)]
+            await client._endpoint.send(pack_batch([h.pack() for h in headers], 3))  # the headers; payloads come late
+            slots = [bytearray(len(payload)) for _ in headers]
+            for slot in slots:
+                await server.recv_header()
+                await server.start_payload(memoryview(slot))
+            await server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client._endpoint.send(payload), 2)
+            await asyncio.sleep(0.5)
+            assert all(slot == bytes(len(payload)) for slot in slots)
+
+    run(body())
+
+
+def test_ucx_batch_that_does_not_add_up_is_refused(ucx):
+    async def body():
+        async with connected(ucx) as (client, server):
+            header = block_frame(0, b"x" * 100)[0]
+            await client._endpoint.send(pack_batch([header.pack(), b"x" * 100], 2))  # says 2 frames, holds 1
+            with pytest.raises(CorruptBlock, match="does not add up"):
                 await server.recv_header()
             with pytest.raises(TransferFailed, match="out of step"):
                 await server.recv_header()
@@ -352,7 +421,7 @@ def test_ucx_cancelled_payload_receive_never_lands_later(ucx):
     async def body():
         async with connected(ucx) as (client, server):
             header, _ = block_frame(0, payload)
-            await client._endpoint.send(header.pack())  # the header alone; the payload comes late
+            await client._endpoint.send(pack_batch([header.pack()], 1))  # the header alone; the payload comes late
             assert (await server.recv_header()).length == len(payload)
             slot = bytearray(len(payload))
             with pytest.raises(asyncio.TimeoutError):
@@ -457,6 +526,8 @@ def test_open_transport_follows_the_config(monkeypatch):
     with pytest.raises(TierUnavailable, match=r"pip install 'kvstore\[ucx\]'"):
         open_transport(TransportConfig(kind="ucx"))
     assert isinstance(open_transport(TransportConfig(kind="auto")), TcpTransport)
+    with pytest.raises(InvalidArgument, match="ucx_progress_mode must be one of thread, blocking"):
+        TransportConfig(kind="ucx", ucx_progress_mode="fast")
 
 
 def test_ucx_defaults_reach_ucx_without_overriding_the_environment(ucx):
@@ -466,7 +537,7 @@ def test_ucx_defaults_reach_ucx_without_overriding_the_environment(ucx):
         "from kvstore.transport.factory import open_transport\n"
         "transport = open_transport(TransportConfig(kind='auto'))\n"
         "import ucxx\n"
-        "print(type(transport).__name__, ucxx.get_config()['RNDV_SCHEME'], os.environ['UCXPY_PROGRESS_MODE'], os.environ['UCX_WARN_UNUSED_ENV_VARS'])\n"
+        "print(type(transport).__name__, ucxx.get_config()['RNDV_SCHEME'], os.environ['UCXPY_PROGRESS_MODE'], os.environ.get('UCXPY_ENABLE_PYTHON_FUTURE', '-'), os.environ['UCX_WARN_UNUSED_ENV_VARS'])\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_RNDV", "UCXPY_", "UCX_WARN"))}
 
@@ -475,5 +546,6 @@ def test_ucx_defaults_reach_ucx_without_overriding_the_environment(ucx):
         assert result.returncode == 0, result.stderr
         return result.stdout.split()
 
-    assert transport_env() == ["UcxTransport", "put_zcopy", "blocking", "n"]
-    assert transport_env(UCX_RNDV_SCHEME="get_zcopy", UCXPY_PROGRESS_MODE="polling") == ["UcxTransport", "get_zcopy", "polling", "n"]
+    # the process exits although its transport was never closed: ucxx's notifier thread is stopped at exit
+    assert transport_env() == ["UcxTransport", "put_zcopy", "thread", "1", "n"]
+    assert transport_env(UCX_RNDV_SCHEME="get_zcopy", UCXPY_PROGRESS_MODE="polling") == ["UcxTransport", "get_zcopy", "polling", "-", "n"]

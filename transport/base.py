@@ -13,6 +13,9 @@
                                     send waits for the peer to post its receive)
       recv_header()                 the next message's header, already checked
       recv_payload(into)            its payload, received straight into ``into``
+      start_payload(into)           the same, returning once the receive is posted: an
+                                    awaitable that resolves when the payload has landed
+                                    (UCX posts many before any lands; TCP lands it at once)
       close()
 
 A message is a `FrameHeader` (transport/wire.py) followed by its payload. The split
@@ -60,6 +63,18 @@ class Channel(abc.ABC):
     async def recv_payload(self, into: memoryview) -> None:
         """Receive the payload of the header just read; ``len(into)`` must equal its length."""
 
+    async def start_payload(self, into: memoryview) -> Awaitable[None]:
+        """Start receiving the payload of the header just read into ``into``; the returned
+        awaitable (with ``done()`` and ``result()``, and ``add_done_callback`` while not
+        done, as a future has) resolves once it has landed. The next ``recv_header`` may come before
+        that: a transport that can (UCX) keeps many receives posted, so that the sender's
+        payloads land without waiting for the receiver's turn of the event loop. Every
+        started payload must be awaited, oldest first, before its buffer is read; a
+        channel closed meanwhile fails them, and nothing lands in a buffer after ``close``
+        returns."""
+        await self.recv_payload(into)
+        return _LANDED
+
     async def recv_bytes(self, header: FrameHeader) -> bytes:
         """The payload of a small message (control, error) as bytes."""
         buffer = bytearray(header.length)
@@ -77,6 +92,22 @@ class Channel(abc.ABC):
 
 
 ChannelHandler = Callable[[Channel], Awaitable[None]]
+
+
+class _Landed:
+    """An awaitable that is already done: a payload received before start_payload returned."""
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> None:
+        return None
+
+    def __await__(self):
+        return iter(())
+
+
+_LANDED = _Landed()
 
 
 class Transport(abc.ABC):

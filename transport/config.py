@@ -9,6 +9,7 @@ from kvstore.errors import InvalidArgument
 __all__ = ["TransportConfig", "TRANSPORT_KINDS"]
 
 TRANSPORT_KINDS = ("tcp", "ucx", "auto", "off")
+UCX_PROGRESS_MODES = ("thread", "blocking", "polling", "thread-polling")  # ucxx's
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,13 +23,17 @@ class TransportConfig:
     handoff_timeout_s: float = 60.0  # an unfinished prefill→decode handoff is cancelled after this
     max_peer_channels: int = 64
     # UCX tuning the daemon applies unless the environment already sets them: rendezvous by
-    # put_zcopy with blocking progress measured ~3 GB/s on loopback against ~0.7 with defaults
+    # put_zcopy, and ucxx's thread progress with Python futures (idle at ~1-2% of a core;
+    # "blocking" moves small blocks faster here but keeps a core busy while a receive is
+    # posted, which a daemon's peer channels always have)
     ucx_rndv_scheme: str = "put_zcopy"
-    ucx_progress_mode: str = "blocking"
+    ucx_progress_mode: str = "thread"
 
     def __post_init__(self) -> None:
         if self.kind not in TRANSPORT_KINDS:
             raise InvalidArgument(f"transport.kind must be one of {', '.join(TRANSPORT_KINDS)}, got {self.kind!r}.")
+        if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
+            raise InvalidArgument(f"transport.ucx_progress_mode must be one of {', '.join(UCX_PROGRESS_MODES)}, got {self.ucx_progress_mode!r}.")
         if not 0 <= self.port <= 65535:
             raise InvalidArgument(f"transport.port must lie in [0, 65535], got {self.port}.")
         if self.window_blocks <= 0 or self.max_peer_channels <= 0:

@@ -7,18 +7,20 @@ Channels that finish a conversation cleanly go back to the pool for the next tra
 that peer; a channel that broke off mid-stream (a deadline, a bad frame) is closed,
 because the bytes still in flight would be read as the next conversation's.
 
-Blocks go out ``window`` frames per ``send_many`` so that many are in flight (the
-transport pipelines them), and come in straight into the caller's destination buffer:
-the receiver reads the header, picks the slot reserved for that block, receives into it
-and verifies the checksum before anything commits it.
+Blocks go out through one ``send_many`` per stream, which keeps ``window`` frames in
+flight, and come in straight into the caller's destination buffer: the receiver reads
+the header, picks the slot reserved for that block, starts the receive into it (`Landing`
+keeps up to ``window`` of them posted) and verifies each checksum once its payload has
+landed, before anything commits it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 
@@ -33,7 +35,7 @@ from kvstore.transport.wire import (
     encode_control,
 )
 
-__all__ = ["leading", "send_control", "send_error", "recv_message", "request", "send_blocks", "recv_block_into", "buffer_of", "ChannelPool"]
+__all__ = ["leading", "send_control", "send_error", "recv_message", "request", "send_blocks", "Landing", "buffer_of", "ChannelPool"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,25 +89,71 @@ async def send_blocks(
     transfer_id: int,
     namespace: bytes,
     blocks: Sequence[tuple[int, bytes, Buffer]],
-    window: int,
     first_layer: int = 0,
     num_layers: int = 0,
 ) -> None:
-    """Stream ``(sequence, key, payload)`` blocks, ``window`` frames per pipelined batch."""
-    for start in range(0, len(blocks), window):
-        frames = [
-            (block_header(transfer_id, namespace, key, payload, sequence, first_layer, num_layers), payload)
-            for sequence, key, payload in blocks[start : start + window]
-        ]
-        await channel.send_many(frames)
+    """Stream ``(sequence, key, payload)`` blocks; the transport keeps its window of frames
+    in flight, computing each checksum when the window has room for it."""
+    await channel.send_many(
+        (block_header(transfer_id, namespace, key, payload, sequence, first_layer, num_layers), payload)
+        for sequence, key, payload in blocks
+    )
 
 
-async def recv_block_into(channel: Channel, header: FrameHeader, into: memoryview) -> None:
-    """Receive the payload of a BLOCK header into ``into`` and verify it (CorruptBlock)."""
-    if header.length != len(into):
-        raise CorruptBlock(f"block {header.key.hex()} arrived with {header.length} bytes where {len(into)} were expected.")
-    await channel.recv_payload(into)
-    header.verify(into)
+class Landing:
+    """Block payloads started on a channel and not yet verified, oldest first.
+
+    ``start`` posts the receive of a BLOCK header's payload into its slot and returns once
+    at most ``window`` are outstanding. As the oldest land (whether or not the caller is
+    waiting on the channel meanwhile) their checksums are checked, in order, and
+    ``landed(header, ok)`` is called, ok False for a block whose bytes failed it; what
+    ``landed`` raises, or a receive that failed, is raised by the next ``start`` or
+    ``finish``. ``finish`` waits for every started payload."""
+
+    def __init__(self, channel: Channel, window: int, landed: Callable[[FrameHeader, bool], None]) -> None:
+        self.channel, self.window, self.landed = channel, window, landed
+        self._pending: collections.deque[tuple[FrameHeader, memoryview, Any]] = collections.deque()
+        self._error: BaseException | None = None
+
+    async def start(self, header: FrameHeader, into: memoryview) -> None:
+        if header.length != len(into):
+            raise CorruptBlock(f"block {header.key.hex()} arrived with {header.length} bytes where {len(into)} were expected.")
+        self._raise_error()
+        landing = await self.channel.start_payload(into)
+        self._pending.append((header, into, landing))
+        if not landing.done():
+            landing.add_done_callback(self._settle)
+        self._settle()
+        await self._wait(self.window)
+
+    async def finish(self) -> None:
+        await self._wait(0)
+
+    async def _wait(self, keep: int) -> None:
+        while len(self._pending) > keep and self._error is None:
+            await asyncio.wait([self._pending[0][2]])
+            self._settle()
+        self._raise_error()
+
+    def _settle(self, _: object = None) -> None:
+        """Verify the payloads that have landed, oldest first, up to the first still out."""
+        while self._pending and self._error is None and self._pending[0][2].done():
+            header, into, landing = self._pending.popleft()
+            try:
+                landing.result()
+                ok = True
+                try:
+                    header.verify(into)
+                except CorruptBlock as exc:
+                    logger.warning("dropped a block from %s: %s", self.channel.peer, exc)
+                    ok = False
+                self.landed(header, ok)
+            except BaseException as exc:  # kept for the caller's next start or finish
+                self._error = exc
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
 
 
 class ChannelPool:

@@ -30,8 +30,8 @@ from kvstore.localproto import namespace_from_wire, namespace_to_wire, pack_hash
 from kvstore.tiers.base import TierKind
 from kvstore.transport.base import Channel
 from kvstore.transport.handoff import IncomingHandoff
-from kvstore.transport.peer import buffer_of, leading, recv_block_into, send_blocks, send_control, send_error
-from kvstore.transport.wire import FrameKind, decode_control
+from kvstore.transport.peer import Landing, buffer_of, leading, send_blocks, send_control, send_error
+from kvstore.transport.wire import FrameHeader, FrameKind, decode_control
 
 if TYPE_CHECKING:
     from kvstore.transport.service import TransferService
@@ -83,7 +83,7 @@ class PeerServer:
             views = self.manager.lease_views(lease)
             await send_control(channel, transfer_id, {"count": len(views), "nbytes": lease.nbytes})
             blocks = [(seq, b.block_hash, buffer_of(v)) for seq, (b, v) in enumerate(zip(lease.blocks, views))]
-            await send_blocks(channel, transfer_id, digest, blocks, self.service.config.window_blocks)
+            await send_blocks(channel, transfer_id, digest, blocks)
             await send_control(channel, transfer_id, {}, FrameKind.END)
         finally:
             self.manager.release(lease.id)
@@ -131,9 +131,20 @@ class PeerServer:
         await send_control(channel, transfer_id, {"stored": handoff.num_stored}, FrameKind.END)
 
     async def _receive_layers(self, channel: Channel, handoff: IncomingHandoff) -> None:
+        def landed(header: FrameHeader, ok: bool) -> None:
+            if not ok:
+                self.node.metrics.dropped("checksum")
+                raise CorruptBlock(f"handoff {handoff.transfer_id!r}: a block of layers {header.first_layer}… failed its checksum.")
+            handoff.arrived(header)
+            self.node.metrics.transferred("in", "handoff", 0, header.length)
+            if handoff.all_arrived:  # stored before any reader hears that the last layer is in
+                self.service.handoffs.store_incoming(handoff)
+
+        landing = Landing(channel, self.service.config.window_blocks, landed)
         while True:
             header = await channel.recv_header()
             if header.kind is FrameKind.END:
+                await landing.finish()
                 await channel.recv_bytes(header)
                 if not handoff.all_arrived:
                     raise TransferFailed(f"handoff {handoff.transfer_id!r} ended with layer {handoff.ready_layers} of {handoff.num_layers}.")
@@ -143,15 +154,7 @@ class PeerServer:
                 raise TransferFailed(f"the producer cancelled handoff {handoff.transfer_id!r}.")
             if header.kind is not FrameKind.BLOCK:
                 raise CorruptBlock(f"handoff {handoff.transfer_id!r}: unexpected {header.kind.name} frame.")
-            try:
-                await recv_block_into(channel, header, handoff.destination_for(header))
-            except CorruptBlock:
-                self.node.metrics.dropped("checksum")
-                raise
-            handoff.arrived(header)
-            self.node.metrics.transferred("in", "handoff", 0, header.length)
-            if handoff.all_arrived:  # stored before any reader hears that the last layer is in
-                self.service.handoffs.store_incoming(handoff)
+            await landing.start(header, handoff.destination_for(header))
 
     async def _capacity(self, channel: Channel, transfer_id: int, message: dict) -> None:
         free = sum(s.capacity_bytes - s.used_bytes for s in self.manager.tier_stats())

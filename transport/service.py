@@ -33,9 +33,9 @@ from kvstore.transport.base import Channel, Transport
 from kvstore.transport.config import TransportConfig
 from kvstore.transport.handoff import HandoffState, IncomingHandoff, OutgoingHandoff
 from kvstore.transport.handoffs import HandoffRegistry
-from kvstore.transport.peer import ChannelPool, buffer_of, leading, recv_block_into, recv_message, request, send_blocks, send_control
+from kvstore.transport.peer import ChannelPool, Landing, buffer_of, leading, recv_message, request, send_blocks, send_control
 from kvstore.transport.peer_server import PeerServer
-from kvstore.transport.wire import FrameKind
+from kvstore.transport.wire import FrameHeader, FrameKind
 
 __all__ = ["TransferService"]
 
@@ -84,6 +84,14 @@ class TransferService:
         what arrived even when a deadline cancels this). A block whose bytes fail their
         checksum is dropped and the stream stays in step; a frame that does not belong to
         this transfer breaks it off."""
+
+        def landed(header: FrameHeader, ok: bool) -> None:
+            if ok:
+                verified.add(header.sequence)
+            else:
+                self.node.metrics.dropped("checksum")
+
+        landing = Landing(channel, self.config.window_blocks, landed)
         for _ in range(count):
             header = await channel.recv_header()
             if header.kind is FrameKind.ERROR:
@@ -97,13 +105,8 @@ class TransferService:
                 await channel.discard_payload(header)
                 self.node.metrics.dropped("length")
                 continue
-            try:
-                await recv_block_into(channel, header, into)
-            except CorruptBlock as exc:
-                logger.warning("dropped a block from %s: %s", channel.peer, exc)
-                self.node.metrics.dropped("checksum")
-                continue
-            verified.add(seq)
+            await landing.start(header, into)
+        await landing.finish()
 
     async def expect_end(self, channel: Channel) -> dict:
         return await recv_message(channel, FrameKind.END)
@@ -212,7 +215,7 @@ class TransferService:
                 if any(not isinstance(seq, int) or not 0 <= seq < len(leased) for seq in accepted):
                     raise CorruptBlock(f"the peer {address} accepted blocks it was not offered.")
                 blocks = [(seq, leased[seq], buffer_of(views[seq])) for seq in accepted]
-                await send_blocks(channel, transfer_id, digest, blocks, self.config.window_blocks)
+                await send_blocks(channel, transfer_id, digest, blocks)
                 await send_control(channel, transfer_id, {}, FrameKind.END)
                 stored = int((await self.expect_end(channel))["stored"])
         finally:
@@ -261,7 +264,7 @@ class TransferService:
             while handoff.layers_sent < handoff.num_layers:
                 first, count = await handoff.pending.get()
                 payloads = handoff.layer_payloads(first, count)
-                await send_blocks(channel, handoff.wire_id, handoff.digest, payloads, self.config.window_blocks, first, count)
+                await send_blocks(channel, handoff.wire_id, handoff.digest, payloads, first, count)
                 handoff.layers_sent += count
                 self.node.metrics.transferred("out", "handoff", 0, sum(len(p) for _, _, p in payloads))
             await send_control(channel, handoff.wire_id, {}, FrameKind.END)

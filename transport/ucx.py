@@ -15,8 +15,10 @@ A receiver learns a whole batch of headers from one message, so it can post the 
 of all of the batch's payloads (``start_payload``) before any has landed: the sender's
 rendezvous then proceed inside UCX without a turn of the receiver's event loop per block.
 ``send_many`` fills a batch with up to ``transport.window_blocks`` frames (or 4 MiB of
-payload) and keeps two batches in flight while it computes the checksums of the next (UCX
-keeps their order).
+payload; the first batch is one frame, so the receiver starts at once) and keeps two
+batches in flight while it computes the checksums of the next (UCX keeps their order).
+Sends and receives are posted straight on ucxx's endpoint, in call order, and complete
+through the futures ucxx's notifier thread resolves (``_Poster``).
 
 ucxx is imported lazily, so a daemon without the ``[ucx]`` extra imports kvstore fine.
 Before that first import the config's UCX defaults go into the environment (never over a
@@ -62,7 +64,7 @@ BATCH_PAYLOAD_BYTES = 4 << 20
 BATCHES_IN_FLIGHT = 3
 _PREFIX = struct.Struct("<4sII")
 _BATCH_MAGIC = b"KVSB"
-CLOSE_LANDING_S = 5.0  # how long close waits for posted receives to be cancelled
+QUIESCE_S = 5.0  # how long an aborted channel waits for UCX to end its requests
 
 
 def ucx_environment(config: TransportConfig) -> dict[str, str]:
@@ -270,9 +272,9 @@ class _UcxChannel(FramedChannel):
     async def _quiesce(self) -> None:
         if not self._requests:
             return
-        _, stuck = await asyncio.wait(list(self._requests), timeout=CLOSE_LANDING_S)
+        _, stuck = await asyncio.wait(list(self._requests), timeout=QUIESCE_S)
         if stuck:
-            logger.error("%d UCX requests to %s did not end %gs after the endpoint was aborted", len(stuck), self.peer, CLOSE_LANDING_S)
+            logger.error("%d UCX requests to %s did not end %gs after the endpoint was aborted", len(stuck), self.peer, QUIESCE_S)
 
     # -- plumbing --------------------------------------------------------------------
     def _abandon(self, reason: str) -> None:

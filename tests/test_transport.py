@@ -463,8 +463,8 @@ def test_tcp_peer_gone_in_the_middle_of_a_payload_is_a_transfer_failure():
 
 # -- a peer in another process ---------------------------------------------------------
 @contextlib.contextmanager
-def peer_process(role: str, kind: str):
-    process = subprocess.Popen([sys.executable, str(PEER), role, kind], stdout=subprocess.PIPE, text=True)
+def peer_process(role: str, kind: str, env: dict | None = None):
+    process = subprocess.Popen([sys.executable, str(PEER), role, kind], stdout=subprocess.PIPE, text=True, env=env)
     try:
         line = process.stdout.readline()  # the peer prints its address once it listens
         assert line.startswith("ADDRESS "), f"the {role} peer did not start: {line!r}"
@@ -516,6 +516,46 @@ def test_a_killed_peer_process_fails_the_transfer_promptly(kind):
 
     with peer_process("flood", kind) as (process, address):
         assert run(body(process, address), timeout_s=60) < 30
+
+
+BLOCKING_CLIENT = """
+import asyncio, sys
+from kvstore.transport.config import TransportConfig
+from kvstore.transport.factory import open_transport
+from kvstore.transport.peer import Landing
+from kvstore.transport.wire import block_header
+
+async def main(address):
+    transport = open_transport(TransportConfig(kind="ucx"))
+    channel = await transport.connect(address, timeout_s=10)
+    payloads = [bytes([i]) * (256 << 10) for i in range(24)] + [b"small"] * 8
+    sending = asyncio.ensure_future(channel.send_many(
+        (block_header(1, bytes(16), i.to_bytes(16, "little"), p, i), p) for i, p in enumerate(payloads)))
+    landed = []
+    landing = Landing(channel, 8, lambda header, ok: landed.append((header.sequence, ok)))
+    slots = [bytearray(len(p)) for p in payloads]
+    for _ in payloads:
+        header = await channel.recv_header()
+        await landing.start(header, memoryview(slots[header.sequence]))
+    await landing.finish()
+    await sending
+    assert landed == [(i, True) for i in range(len(payloads))] and slots == payloads, landed
+    await transport.close()
+    print("OK")
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_ucx_blocking_progress_mode_moves_blocks(ucx):
+    """ucxx's blocking mode completes requests without Python futures: the other path of
+    the request poster (both processes in that mode; this one already runs ucxx in thread
+    mode, so the client is a process of its own too)."""
+    env = {**os.environ, "UCXPY_PROGRESS_MODE": "blocking"}
+    env.pop("UCXPY_ENABLE_PYTHON_FUTURE", None)
+    with peer_process("echo", ucx, env) as (_, address):
+        result = subprocess.run([sys.executable, "-c", BLOCKING_CLIENT, address], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.split() == ["OK"], result.stderr[-2000:]
 
 
 # -- choosing a transport --------------------------------------------------------------

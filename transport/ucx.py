@@ -329,6 +329,7 @@ class _Poster:
 
         self._array, self._mask = Array, TagMaskFull
         self._ep = endpoint._ep
+        self._futures = endpoint._ctx.enable_python_future  # request.future blocks without them
         self._send_tag, self._recv_tag = (t if isinstance(t, Tag) else Tag(t) for t in (endpoint._tags["msg_send"], endpoint._tags["msg_recv"]))
 
     def post(self, buffer: Buffer, receive: bool) -> tuple[asyncio.Future, tuple[Any, ...]]:
@@ -338,9 +339,7 @@ class _Poster:
             request = self._ep.tag_recv(array, self._recv_tag, self._mask)
         else:
             request = self._ep.tag_send(array, self._send_tag)
-        completion = request.future
-        if completion is None:
-            completion = asyncio.ensure_future(request.wait())
+        completion = request.future if self._futures else asyncio.ensure_future(request.wait())
         return completion, (request, array, buffer)
 
 

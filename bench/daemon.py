@@ -6,11 +6,17 @@
   200 µs), next to the same lookup through the gRPC API (why engines do not use gRPC);
 - save (reserve → copy into the shared slab → commit) and load (lease → copy out →
   release) GB/s of 1 MiB blocks through the daemon, against a single-thread memcpy of the
-  same blocks between private tensors in the same run.
+  same blocks between private tensors in the same run;
+- remote fetch: an engine's ``load(allow_remote=True)`` on one daemon of blocks that only
+  a second daemon holds (over TCP, and UCX where ucxx is installed): the peer streams them
+  into the first daemon's host tier, which then copies them out to the engine, all in the
+  timed call. Against the same bytes as one raw socket ``sendall`` between two processes,
+  and against a load of the same blocks once local.
 """
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
 import time
@@ -27,7 +33,10 @@ from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 from kvstore.spawn import DaemonProcess, spawn_daemon
+from kvstore.errors import TierUnavailable
 from kvstore.tiers.base import copy_bytes
+from kvstore.transport.config import TransportConfig
+from kvstore.transport.ucx import import_ucxx
 
 MiB = 1024 * 1024
 LOOKUP_KEYS = 512
@@ -38,9 +47,58 @@ NAMESPACE = Namespace("bench/daemon-model", LAYOUT)
 LOOKUP_NAMESPACE = Namespace("bench/daemon-lookup", KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16))
 
 
-def start_daemon(workdir: Path, host_bytes: int) -> DaemonProcess:
-    settings = {"server.grpc_port": 0, "server.metrics_port": -1, "host.capacity_bytes": host_bytes, "nvme.enabled": "false"}
+def start_daemon(workdir: Path, host_bytes: int, **extra: object) -> DaemonProcess:
+    settings = {"server.grpc_port": 0, "server.metrics_port": -1, "host.capacity_bytes": host_bytes, "nvme.enabled": "false", **extra}
     return spawn_daemon(workdir / "kvstore.sock", settings, workdir / "daemon.log")
+
+
+def remote_fetch(kind: str, total: int, repeats: int) -> dict:
+    """Best seconds of a remote load (fetch + copy out) and of the same load once local."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"kvstore-bench-fetch-{kind}-"))
+    daemons = []
+    try:
+        for name in ("holder", "reader"):
+            (workdir / name).mkdir()
+            daemons.append(start_daemon(workdir / name, total + 256 * MiB, **{"server.node_id": f"bench-{name}", "transport.kind": kind}))
+        holder, reader = (KVStoreClient(d.state["socket"]) for d in daemons)
+        digest = holder.register_namespace(NAMESPACE)
+        reader.register_namespace(NAMESPACE)
+        num_blocks = total // LAYOUT.block_bytes
+        src = torch.empty(total, dtype=torch.uint8).random_(0, 256)
+        dst = torch.zeros(total, dtype=torch.uint8)
+        hashes = chain_hashes(np.arange(num_blocks * LAYOUT.block_size) + 20_000_000, LAYOUT.block_size)
+        holder.save(digest, hashes, list(src.view(num_blocks, -1).unbind(0)))
+        dsts = list(dst.view(num_blocks, -1).unbind(0))
+        source = daemons[0].state["transport_address"]
+
+        def fetch() -> float:
+            with connect(daemons[1].state["grpc_address"]) as api:
+                api.admin.Evict(pb.EvictRequest(namespace_id=digest, block_hashes=hashes))
+            dst.zero_()
+            seconds = timed(lambda: reader.load(digest, hashes, dsts, allow_remote=True, deadline_s=60, source=source))
+            assert torch.equal(dst, src), "the remote fetch returned different bytes"
+            return seconds
+
+        fetch_s = best_of(repeats, fetch)
+        local_s = best_of(repeats, lambda: timed(lambda: reader.load(digest, hashes, dsts)))
+        holder.close()
+        reader.close()
+    finally:
+        for daemon in daemons:
+            daemon.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return {"transport": kind, "fetch_gbps": gbps(total, fetch_s), "local_load_gbps": gbps(total, local_s)}
+
+
+def raw_socket_seconds(total: int, repeats: int) -> float:
+    """One ``sendall`` of ``total`` bytes from another process, best of ``repeats``."""
+    from bench.transport import RawSocketLink
+
+    async def run() -> float:
+        async with RawSocketLink(memoryview(bytearray(total))) as link:
+            return min([await link.run(total) for _ in range(repeats)])
+
+    return asyncio.run(run())
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -134,6 +192,26 @@ def main() -> None:
     report.ratio("lookup_512_p50_us", result["local_lookup_p50_us"], "<= 200")
     report.ratio("lookup_512_p99_us", result["local_lookup_p99_us"])
     report.ratio("grpc_lookup_512_p50_us", result["grpc_lookup_p50_us"])
+    fetch_total = (64 if args.quick else 256) * MiB
+    raw_gbps = gbps(fetch_total, raw_socket_seconds(fetch_total, 3))
+    kinds = ["tcp"]
+    try:
+        import_ucxx(TransportConfig(kind="ucx"))
+        kinds.append("ucx")
+    except TierUnavailable as exc:
+        print(f"UCX remote fetch skipped: {exc}")
+    fetches = [remote_fetch(kind, fetch_total, 3) for kind in kinds]
+    rows = []
+    for fetch in fetches:
+        fetch.update(total_bytes=fetch_total, raw_socket_gbps=raw_gbps)
+        report.results.append(fetch)
+        rows.append([fetch["transport"], raw_gbps, fetch["fetch_gbps"], fetch["local_load_gbps"], fetch["fetch_gbps"] / raw_gbps, fetch["fetch_gbps"] / fetch["local_load_gbps"]])
+        report.ratio(f"remote_fetch_{fetch['transport']}_vs_raw_socket", fetch["fetch_gbps"] / raw_gbps)
+    report.print_table(
+        f"remote fetch, {fetch_total // MiB} MiB of 1 MiB blocks held by another daemon (GB/s; the engine's load: fetch into this daemon, then copy out)",
+        ["transport", "raw socket", "remote load", "local load", "remote/raw", "remote/local"],
+        rows,
+    )
     report.ratio("save_vs_memcpy", result["save_gbps"] / result["memcpy_gbps"], ">= 0.7")
     report.ratio("load_vs_memcpy", result["load_gbps"] / result["memcpy_gbps"], ">= 0.7")
     report.emit(args.json)

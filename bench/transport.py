@@ -43,7 +43,7 @@ from kvstore.errors import CorruptBlock, TierUnavailable
 from kvstore.transport.config import TransportConfig
 from kvstore.transport.factory import open_transport
 from kvstore.transport.peer import Landing
-from kvstore.transport.ucx import import_ucxx
+from kvstore.transport.ucx import UcxPoster, import_ucxx
 from kvstore.transport.wire import HEADER_BYTES, FrameHeader, FrameKind, control_header, encode_control
 
 KiB, MiB = 1024, 1024 * 1024
@@ -157,7 +157,10 @@ class RawSocketLink:
 
 
 class RawUcxLink:
-    """ucxx tagged messages of the bare blocks (one message when the block is everything)."""
+    """ucxx tagged messages of the bare blocks (one message when the block is everything),
+    posted straight on the endpoint in the progress mode kvstore runs (`UcxPoster`): ucxx's
+    ``Endpoint.recv`` would add a task per message, and outside ucxx's thread mode an
+    await that polls the event loop."""
 
     def __init__(self, destination: memoryview) -> None:
         self.destination = destination
@@ -172,16 +175,16 @@ class RawUcxLink:
         self.listener = ucxx.create_listener(on_endpoint, 0)
         self.sender = start_sender("raw-ucx", f"ucx://127.0.0.1:{self.listener.port}", len(self.destination))
         self.endpoint = await asyncio.wait_for(accepted.get(), 60)
+        self.poster = UcxPoster(self.endpoint)
         return self
 
     async def run(self, block_bytes: int) -> float:
         """The receives of the next WINDOW blocks posted ahead, as kvstore's Landing does."""
         start = time.perf_counter()
-        await self.endpoint.send(block_bytes.to_bytes(8, "little"))
+        await self.poster.post(block_bytes.to_bytes(8, "little"))
         posted: collections.deque = collections.deque()
         for offset in range(0, len(self.destination), block_bytes):
-            # tasks post their receive in creation order, so blocks match in order
-            posted.append(asyncio.ensure_future(self.endpoint.recv(self.destination[offset : offset + block_bytes])))
+            posted.append(self.poster.post(self.destination[offset : offset + block_bytes], receive=True))
             if len(posted) > WINDOW:
                 await posted.popleft()
         await asyncio.gather(*posted)
@@ -189,7 +192,7 @@ class RawUcxLink:
 
     async def __aexit__(self, *exc_info) -> None:
         with contextlib.suppress(Exception):
-            await self.endpoint.send(bytes(8))
+            await self.poster.post(bytes(8))
         stop_sender(self.sender)
         await self.endpoint.close()
         self.listener.close()

@@ -26,7 +26,7 @@ import sys
 from kvstore.transport.base import split_address
 from kvstore.transport.config import TransportConfig
 from kvstore.transport.factory import open_transport
-from kvstore.transport.ucx import import_ucxx
+from kvstore.transport.ucx import UcxPoster, import_ucxx
 from kvstore.transport.wire import block_header, decode_control
 
 NAMESPACE = bytes(16)
@@ -73,16 +73,17 @@ async def send_raw_ucx(address: str, data: memoryview, window: int) -> None:
     ucxx = import_ucxx(TransportConfig(kind="ucx"))
     host, port = split_address(address, "ucx")
     endpoint = await ucxx.create_endpoint(host, port)
+    poster = UcxPoster(endpoint)  # as kvstore posts: no task, and no polling wait, per message
     request = bytearray(8)
     try:
         while True:
-            await endpoint.recv(request)
+            await poster.post(request, receive=True)
             block_bytes = int.from_bytes(request, "little")
             if not block_bytes:
                 return
             in_flight: collections.deque = collections.deque()
             for offset in range(0, len(data), block_bytes):
-                in_flight.append(asyncio.ensure_future(endpoint.send(data[offset : offset + block_bytes])))
+                in_flight.append(poster.post(data[offset : offset + block_bytes]))
                 if len(in_flight) > window:
                     await in_flight.popleft()
             await asyncio.gather(*in_flight)

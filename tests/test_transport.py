@@ -547,12 +547,13 @@ asyncio.run(main(sys.argv[1]))
 """
 
 
-def test_ucx_blocking_progress_mode_moves_blocks(ucx):
-    """ucxx's blocking mode completes requests without Python futures: the other path of
-    the request poster (both processes in that mode; this one already runs ucxx in thread
-    mode, so the client is a process of its own too)."""
-    env = {**os.environ, "UCXPY_PROGRESS_MODE": "blocking"}
-    env.pop("UCXPY_ENABLE_PYTHON_FUTURE", None)
+@pytest.mark.parametrize("mode", ["thread", "blocking"])
+def test_ucxx_own_progress_modes_move_blocks(ucx, mode):
+    """ucxx's thread mode completes requests through its Python futures, its blocking mode
+    through their own waits: the request poster's other two paths (both processes in that
+    mode; this one already runs kvstore's event mode, so the client is a process too)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCXPY_", "KVSTORE_UCX"))}
+    env["UCXPY_PROGRESS_MODE"] = mode
     with peer_process("echo", ucx, env) as (_, address):
         result = subprocess.run([sys.executable, "-c", BLOCKING_CLIENT, address], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.split() == ["OK"], result.stderr[-2000:]
@@ -566,7 +567,7 @@ def test_open_transport_follows_the_config(monkeypatch):
     with pytest.raises(TierUnavailable, match=r"pip install 'kvstore\[ucx\]'"):
         open_transport(TransportConfig(kind="ucx"))
     assert isinstance(open_transport(TransportConfig(kind="auto")), TcpTransport)
-    with pytest.raises(InvalidArgument, match="ucx_progress_mode must be one of thread, blocking"):
+    with pytest.raises(InvalidArgument, match="ucx_progress_mode must be one of event, thread, blocking"):
         TransportConfig(kind="ucx", ucx_progress_mode="fast")
 
 
@@ -577,15 +578,17 @@ def test_ucx_defaults_reach_ucx_without_overriding_the_environment(ucx):
         "from kvstore.transport.factory import open_transport\n"
         "transport = open_transport(TransportConfig(kind='auto'))\n"
         "import ucxx\n"
-        "print(type(transport).__name__, ucxx.get_config()['RNDV_SCHEME'], os.environ['UCXPY_PROGRESS_MODE'], os.environ.get('UCXPY_ENABLE_PYTHON_FUTURE', '-'), os.environ['UCX_WARN_UNUSED_ENV_VARS'])\n"
+        "print(type(transport).__name__, ucxx.get_config()['RNDV_SCHEME'], os.environ.get('KVSTORE_UCX_PROGRESS', '-'), os.environ['UCXPY_PROGRESS_MODE'], os.environ.get('UCXPY_ENABLE_PYTHON_FUTURE', '-'), os.environ['UCX_WARN_UNUSED_ENV_VARS'])\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_RNDV", "UCXPY_", "UCX_WARN"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_RNDV", "UCXPY_", "UCX_WARN", "KVSTORE_UCX"))}
 
     def transport_env(**overrides) -> list[str]:
         result = subprocess.run([sys.executable, "-c", script], env={**env, **overrides}, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         return result.stdout.split()
 
+    # kvstore's event progress runs ucxx in its blocking mode
+    assert transport_env() == ["UcxTransport", "put_zcopy", "event", "blocking", "-", "n"]
+    assert transport_env(UCX_RNDV_SCHEME="get_zcopy", UCXPY_PROGRESS_MODE="polling") == ["UcxTransport", "get_zcopy", "-", "polling", "-", "n"]
     # the process exits although its transport was never closed: ucxx's notifier thread is stopped at exit
-    assert transport_env() == ["UcxTransport", "put_zcopy", "thread", "1", "n"]
-    assert transport_env(UCX_RNDV_SCHEME="get_zcopy", UCXPY_PROGRESS_MODE="polling") == ["UcxTransport", "get_zcopy", "polling", "-", "n"]
+    assert transport_env(UCXPY_PROGRESS_MODE="thread") == ["UcxTransport", "put_zcopy", "-", "thread", "1", "n"]

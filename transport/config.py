@@ -9,7 +9,7 @@ from kvstore.errors import InvalidArgument
 __all__ = ["TransportConfig", "TRANSPORT_KINDS"]
 
 TRANSPORT_KINDS = ("tcp", "ucx", "auto", "off")
-UCX_PROGRESS_MODES = ("thread", "blocking", "polling", "thread-polling")  # ucxx's
+UCX_PROGRESS_MODES = ("event", "thread", "blocking", "polling", "thread-polling")  # kvstore's, then ucxx's
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,11 +23,12 @@ class TransportConfig:
     handoff_timeout_s: float = 60.0  # an unfinished prefill→decode handoff is cancelled after this
     max_peer_channels: int = 64
     # UCX tuning the daemon applies unless the environment already sets them: rendezvous by
-    # put_zcopy, and ucxx's thread progress with Python futures (idle at ~1-2% of a core;
-    # "blocking" moves small blocks faster here but keeps a core busy while a receive is
-    # posted, which a daemon's peer channels always have)
+    # put_zcopy, and kvstore's event-driven progress on the event loop (transport/
+    # ucx_progress.py: polls while a transfer moves, sleeps in epoll when idle); ucxx's own
+    # "thread" mode idles as cheaply but hands every completion across two threads, and
+    # its "blocking" mode keeps a core busy while a receive is posted
     ucx_rndv_scheme: str = "put_zcopy"
-    ucx_progress_mode: str = "thread"
+    ucx_progress_mode: str = "event"
 
     def __post_init__(self) -> None:
         if self.kind not in TRANSPORT_KINDS:

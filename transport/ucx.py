@@ -17,17 +17,18 @@ rendezvous then proceed inside UCX without a turn of the receiver's event loop p
 ``send_many`` fills a batch with up to ``transport.window_blocks`` frames (or 4 MiB of
 payload; the first batch is one frame, so the receiver starts at once) and keeps two
 batches in flight while it computes the checksums of the next (UCX keeps their order).
-Sends and receives are posted straight on ucxx's endpoint, in call order, and complete
-through the futures ucxx's notifier thread resolves (``_Poster``).
+Sends and receives are posted straight on ucxx's endpoint, in call order (``UcxPoster``),
+and complete through kvstore's event-driven progress on the loop (transport/
+ucx_progress.py) or, in ucxx's own progress modes, through ucxx.
 
 ucxx is imported lazily, so a daemon without the ``[ucx]`` extra imports kvstore fine.
 Before that first import the config's UCX defaults go into the environment (never over a
 value the environment already sets), because UCX reads them when its context starts:
-rendezvous by ``put_zcopy``, and ucxx's ``thread`` progress mode with Python futures (a
-progress thread sleeping in epoll, which costs ~1-2% of a core while idle; ucxx's
-``blocking`` mode keeps a core busy for as long as a receive is posted). ucxx binds its
-context to one event loop: the last transport of a process to close resets it, which also
-stops its notifier thread (a process would otherwise not exit).
+rendezvous by ``put_zcopy``, and kvstore's ``event`` progress (ucxx in its blocking mode,
+progressed on the event loop by transport/ucx_progress.py, idle in epoll between
+transfers); ucxx's ``thread`` and ``blocking`` modes remain selectable. ucxx binds its
+context to one event loop: the last transport of a process to close resets it (stopping
+the notifier thread of ucxx's thread mode, without which a process would not exit).
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator
 from kvstore.errors import CorruptBlock, InvalidArgument, TierUnavailable, TransferFailed
 from kvstore.transport.base import Buffer, Channel, ChannelHandler, Transport, split_address
 from kvstore.transport.config import TransportConfig
+from kvstore.transport import ucx_progress
 from kvstore.transport.serving import ChannelRegistry, FramedChannel, address_of
 from kvstore.transport.wire import HEADER_BYTES, FrameHeader
 
-__all__ = ["UcxTransport", "import_ucxx", "pack_batch", "ucx_environment"]
+__all__ = ["UcxTransport", "UcxPoster", "import_ucxx", "pack_batch", "ucx_environment"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +70,18 @@ QUIESCE_S = 5.0  # how long an aborted channel waits for UCX to end its requests
 
 
 def ucx_environment(config: TransportConfig) -> dict[str, str]:
-    """The variables this transport sets when the environment does not."""
-    environment = {
-        "UCX_RNDV_SCHEME": config.ucx_rndv_scheme,
-        "UCXPY_PROGRESS_MODE": config.ucx_progress_mode,  # ucxx reads UCXPY_*, not UCXX_*
-        "UCX_WARN_UNUSED_ENV_VARS": "n",  # UCXPY_* and unused UCX_* would be warned about
-    }
-    if os.environ.get("UCXPY_PROGRESS_MODE", config.ucx_progress_mode).startswith("thread"):
-        environment["UCXPY_ENABLE_PYTHON_FUTURE"] = "1"  # completions wake the loop, no polling
+    """The variables this transport sets when the environment does not. A progress mode
+    the environment names wins over the config's (``KVSTORE_UCX_PROGRESS=event``, which
+    this sets for kvstore's own mode, over ``UCXPY_PROGRESS_MODE``), so that processes
+    started from this one run in the same mode."""
+    mode = os.environ.get("KVSTORE_UCX_PROGRESS") or os.environ.get("UCXPY_PROGRESS_MODE") or config.ucx_progress_mode
+    environment = {"UCX_RNDV_SCHEME": config.ucx_rndv_scheme, "UCX_WARN_UNUSED_ENV_VARS": "n"}  # UCXPY_* would be warned about
+    if mode == "event":  # ucxx in its blocking mode, progressed by transport/ucx_progress.py
+        environment |= {"KVSTORE_UCX_PROGRESS": "event", "UCXPY_PROGRESS_MODE": "blocking"}
+    else:
+        environment["UCXPY_PROGRESS_MODE"] = mode  # ucxx reads UCXPY_*, not UCXX_*
+        if mode.startswith("thread"):
+            environment["UCXPY_ENABLE_PYTHON_FUTURE"] = "1"  # completions wake the loop, no polling
     return environment
 
 
@@ -87,6 +93,8 @@ def import_ucxx(config: TransportConfig) -> Any:
         import ucxx
     except (ImportError, OSError) as exc:  # not installed, or libucx would not load
         raise TierUnavailable(f"the UCX transport needs ucxx ({exc}); install it with pip install 'kvstore[ucx]', or set transport.kind = \"tcp\".") from exc
+    if os.environ.get("KVSTORE_UCX_PROGRESS") == "event":
+        ucx_progress.install(ucxx)
     _stop_at_exit(ucxx)
     return ucxx
 
@@ -109,14 +117,12 @@ class _UcxChannel(FramedChannel):
     def __init__(self, ucxx: Any, endpoint: Any, peer: str, window_frames: int, forget: Callable[[Channel], None]) -> None:
         super().__init__(peer, forget)
         self._ucxx, self._endpoint, self._window_frames = ucxx, endpoint, window_frames
-        self._poster = _Poster(endpoint)
+        self._poster = UcxPoster(endpoint)
         self._loop = asyncio.get_running_loop()
         self._batch = bytearray(BATCH_BYTES)
         self._entries: collections.deque[tuple[FrameHeader, memoryview | None]] = collections.deque()
         self._inline: memoryview | None = None  # the payload of the header just read, if it rode along
-        # posted UCX requests, each until UCX is done with it: its completion (a future) ->
-        # what must live as long (the request, the buffer ucxx reads or fills)
-        self._requests: dict[asyncio.Future, tuple[Any, ...]] = {}
+        self._requests: set[asyncio.Future] = set()  # posted UCX requests, until UCX is done with each
         self._carried: tuple[FrameHeader, Buffer] | None = None  # the frame that opens the next batch
         self._aborted = False
 
@@ -245,14 +251,14 @@ class _UcxChannel(FramedChannel):
         self._check_usable()
         outcome = self._loop.create_future()
         try:
-            completion, keep = self._poster.post(buffer, receive)
+            completion = self._poster.post(buffer, receive)
         except self._ucxx.exceptions.UCXError as exc:
             outcome.set_exception(self._translate(exc, doing))
             return outcome
-        self._requests[completion] = keep
+        self._requests.add(completion)
 
         def complete(done: asyncio.Future) -> None:
-            self._requests.pop(done, None)
+            self._requests.discard(done)
             error = None if done.cancelled() else done.exception()
             if error is not None:
                 if not isinstance(error, CorruptBlock | TransferFailed):
@@ -317,11 +323,16 @@ def pack_batch(parts: list[Buffer], count: int) -> bytes:
     return _PREFIX.pack(_BATCH_MAGIC, count, _PREFIX.size + len(body)) + body
 
 
-class _Poster:
-    """Posts tagged sends and receives straight on ucxx's endpoint: a UCX request and the
-    future ucxx's notifier completes, where ``Endpoint.send``/``recv`` would add a
-    coroutine, and a task to run it, per message. Where ucxx gives no future (progress
-    modes other than ``thread``), the request's own wait runs in a task."""
+class UcxPoster:
+    """Posts tagged sends and receives straight on a ucxx endpoint, in call order (the
+    order UCX matches them in), where ``Endpoint.send``/``recv`` would add a coroutine, a
+    task and, outside ucxx's thread mode, a wait that polls the event loop per message.
+
+    ``post`` returns a future that resolves when UCX is done with the request (with
+    ucxx's exception when it failed); the request and its buffer are kept alive until
+    then. It completes through the loop's `EventProgress` (kvstore's ``event`` mode), the
+    future ucxx's notifier resolves (``thread`` modes), or else the request's own wait in
+    a task. bench.transport posts its raw ucxx messages through this too."""
 
     def __init__(self, endpoint: Any) -> None:
         from ucxx._lib.arr import Array
@@ -329,18 +340,29 @@ class _Poster:
 
         self._array, self._mask = Array, TagMaskFull
         self._ep = endpoint._ep
+        self._progress = ucx_progress.progress_for(asyncio.get_running_loop())
         self._futures = endpoint._ctx.enable_python_future  # request.future blocks without them
         self._send_tag, self._recv_tag = (t if isinstance(t, Tag) else Tag(t) for t in (endpoint._tags["msg_send"], endpoint._tags["msg_recv"]))
+        self._kept: dict[asyncio.Future, tuple[Any, ...]] = {}
 
-    def post(self, buffer: Buffer, receive: bool) -> tuple[asyncio.Future, tuple[Any, ...]]:
-        """The request's completion, and what must live until it completes."""
+    def post(self, buffer: Buffer, receive: bool = False) -> asyncio.Future:
         array = self._array(buffer)
         if receive:
             request = self._ep.tag_recv(array, self._recv_tag, self._mask)
         else:
             request = self._ep.tag_send(array, self._send_tag)
-        completion = request.future if self._futures else asyncio.ensure_future(request.wait())
-        return completion, (request, array, buffer)
+        if self._progress is not None:
+            completion = self._progress.watch(request)
+        elif self._futures:
+            completion = request.future
+        else:
+            completion = asyncio.ensure_future(request.wait())
+        self._kept[completion] = (request, array, buffer)
+        completion.add_done_callback(self._release)
+        return completion
+
+    def _release(self, completion: asyncio.Future) -> None:
+        self._kept.pop(completion, None)
 
 
 def _landed(loop: asyncio.AbstractEventLoop) -> asyncio.Future:
@@ -410,6 +432,7 @@ def _reset(ucxx: Any) -> None:
     """Shut ucxx's context down (its notifier thread, its binding to this event loop); the
     next transport starts a fresh one. Objects still holding the old context keep it
     alive, which ucxx reports as an error: the new context is unaffected."""
+    ucx_progress.close_all()
     try:
         ucxx.reset()
     except ucxx.exceptions.UCXError as exc:

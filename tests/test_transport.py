@@ -552,7 +552,7 @@ def test_ucxx_own_progress_modes_move_blocks(ucx, mode):
     """ucxx's thread mode completes requests through its Python futures, its blocking mode
     through their own waits: the request poster's other two paths (both processes in that
     mode; this one already runs kvstore's event mode, so the client is a process too)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCXPY_", "KVSTORE_UCX"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCXPY_", "KVSTORE_TRANSPORT_UCX"))}
     env["UCXPY_PROGRESS_MODE"] = mode
     with peer_process("echo", ucx, env) as (_, address):
         result = subprocess.run([sys.executable, "-c", BLOCKING_CLIENT, address], env=env, capture_output=True, text=True, timeout=120)
@@ -578,9 +578,9 @@ def test_ucx_defaults_reach_ucx_without_overriding_the_environment(ucx):
         "from kvstore.transport.factory import open_transport\n"
         "transport = open_transport(TransportConfig(kind='auto'))\n"
         "import ucxx\n"
-        "print(type(transport).__name__, ucxx.get_config()['RNDV_SCHEME'], os.environ.get('KVSTORE_UCX_PROGRESS', '-'), os.environ['UCXPY_PROGRESS_MODE'], os.environ.get('UCXPY_ENABLE_PYTHON_FUTURE', '-'), os.environ['UCX_WARN_UNUSED_ENV_VARS'])\n"
+        "print(type(transport).__name__, ucxx.get_config()['RNDV_SCHEME'], os.environ.get('KVSTORE_TRANSPORT_UCX_PROGRESS_MODE', '-'), os.environ['UCXPY_PROGRESS_MODE'], os.environ.get('UCXPY_ENABLE_PYTHON_FUTURE', '-'), os.environ['UCX_WARN_UNUSED_ENV_VARS'])\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_RNDV", "UCXPY_", "UCX_WARN", "KVSTORE_UCX"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_RNDV", "UCXPY_", "UCX_WARN", "KVSTORE_TRANSPORT_UCX"))}
 
     def transport_env(**overrides) -> list[str]:
         result = subprocess.run([sys.executable, "-c", script], env={**env, **overrides}, capture_output=True, text=True, timeout=120)

@@ -71,13 +71,14 @@ QUIESCE_S = 5.0  # how long an aborted channel waits for UCX to end its requests
 
 def ucx_environment(config: TransportConfig) -> dict[str, str]:
     """The variables this transport sets when the environment does not. A progress mode
-    the environment names wins over the config's (``KVSTORE_UCX_PROGRESS=event``, which
-    this sets for kvstore's own mode, over ``UCXPY_PROGRESS_MODE``), so that processes
-    started from this one run in the same mode."""
-    mode = os.environ.get("KVSTORE_UCX_PROGRESS") or os.environ.get("UCXPY_PROGRESS_MODE") or config.ucx_progress_mode
+    the environment names wins over the config's: ``KVSTORE_TRANSPORT_UCX_PROGRESS_MODE``
+    (the daemon's own config variable, which this sets for kvstore's ``event`` mode, so
+    that daemons and senders started from this process run in it too), then ucxx's
+    ``UCXPY_PROGRESS_MODE``."""
+    mode = os.environ.get("KVSTORE_TRANSPORT_UCX_PROGRESS_MODE") or os.environ.get("UCXPY_PROGRESS_MODE") or config.ucx_progress_mode
     environment = {"UCX_RNDV_SCHEME": config.ucx_rndv_scheme, "UCX_WARN_UNUSED_ENV_VARS": "n"}  # UCXPY_* would be warned about
     if mode == "event":  # ucxx in its blocking mode, progressed by transport/ucx_progress.py
-        environment |= {"KVSTORE_UCX_PROGRESS": "event", "UCXPY_PROGRESS_MODE": "blocking"}
+        environment |= {"KVSTORE_TRANSPORT_UCX_PROGRESS_MODE": "event", "UCXPY_PROGRESS_MODE": "blocking"}
     else:
         environment["UCXPY_PROGRESS_MODE"] = mode  # ucxx reads UCXPY_*, not UCXX_*
         if mode.startswith("thread"):
@@ -93,7 +94,7 @@ def import_ucxx(config: TransportConfig) -> Any:
         import ucxx
     except (ImportError, OSError) as exc:  # not installed, or libucx would not load
         raise TierUnavailable(f"the UCX transport needs ucxx ({exc}); install it with pip install 'kvstore[ucx]', or set transport.kind = \"tcp\".") from exc
-    if os.environ.get("KVSTORE_UCX_PROGRESS") == "event":
+    if os.environ.get("KVSTORE_TRANSPORT_UCX_PROGRESS_MODE") == "event":
         ucx_progress.install(ucxx)
     _stop_at_exit(ucxx)
     return ucxx

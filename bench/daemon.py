@@ -193,7 +193,7 @@ def main() -> None:
     report.ratio("lookup_512_p99_us", result["local_lookup_p99_us"])
     report.ratio("grpc_lookup_512_p50_us", result["grpc_lookup_p50_us"])
     fetch_total = (64 if args.quick else 256) * MiB
-    raw_gbps = gbps(fetch_total, raw_socket_seconds(fetch_total, 3))
+    raw_gbps = gbps(fetch_total, raw_socket_seconds(fetch_total, 7))
     kinds = ["tcp"]
     try:
         import_ucxx(TransportConfig(kind="ucx"))

@@ -96,8 +96,12 @@ class EventProgress:
         self._timer = self._loop.call_later(TICK_S, self._tick)
 
     def close(self) -> None:
+        """Stop progressing; requests still watched are cancelled (their channels are
+        closed by now: nothing waits on them that would otherwise be woken)."""
         self._timer.cancel()
         self._loop.remove_reader(self._fd)
+        for future in self._watched.values():
+            future.cancel()
         self._watched.clear()
 
 

@@ -39,7 +39,7 @@ from typing import Awaitable, Callable, Iterable, Union
 from kvstore.errors import CorruptBlock, InvalidArgument, TransferFailed
 from kvstore.transport.wire import HEADER_BYTES, FrameHeader
 
-__all__ = ["Buffer", "Channel", "Transport", "ChannelHandler", "MemoryTransport", "split_address"]
+__all__ = ["LANDED", "Buffer", "Channel", "Transport", "ChannelHandler", "MemoryTransport", "split_address"]
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -73,7 +73,7 @@ class Channel(abc.ABC):
         channel closed meanwhile fails them, and nothing lands in a buffer after ``close``
         returns."""
         await self.recv_payload(into)
-        return _LANDED
+        return LANDED
 
     async def recv_bytes(self, header: FrameHeader) -> bytes:
         """The payload of a small message (control, error) as bytes."""
@@ -107,7 +107,7 @@ class _Landed:
         return iter(())
 
 
-_LANDED = _Landed()
+LANDED = _Landed()  # what start_payload returns for a payload already received
 
 
 class Transport(abc.ABC):

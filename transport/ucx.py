@@ -44,7 +44,7 @@ import threading
 from typing import Any, Awaitable, Callable, Iterable, Iterator
 
 from kvstore.errors import CorruptBlock, InvalidArgument, TierUnavailable, TransferFailed
-from kvstore.transport.base import Buffer, Channel, ChannelHandler, Transport, split_address
+from kvstore.transport.base import LANDED, Buffer, Channel, ChannelHandler, Transport, split_address
 from kvstore.transport.config import TransportConfig
 from kvstore.transport import ucx_progress
 from kvstore.transport.serving import ChannelRegistry, FramedChannel, address_of
@@ -123,7 +123,6 @@ class _UcxChannel(FramedChannel):
         self._batch = bytearray(BATCH_BYTES)
         self._entries: collections.deque[tuple[FrameHeader, memoryview | None]] = collections.deque()
         self._inline: memoryview | None = None  # the payload of the header just read, if it rode along
-        self._requests: set[asyncio.Future] = set()  # posted UCX requests, until UCX is done with each
         self._carried: tuple[FrameHeader, Buffer] | None = None  # the frame that opens the next batch
         self._aborted = False
 
@@ -235,7 +234,7 @@ class _UcxChannel(FramedChannel):
         if self._inline is not None:
             view[:] = self._inline  # the next batch lands in the same buffer only after this
             self._inline = None
-            return _landed(self._loop)
+            return LANDED
         self._check_usable()
         return self._post(view, f"receiving a {view.nbytes}-byte payload", receive=True)
 
@@ -256,10 +255,8 @@ class _UcxChannel(FramedChannel):
         except self._ucxx.exceptions.UCXError as exc:
             outcome.set_exception(self._translate(exc, doing))
             return outcome
-        self._requests.add(completion)
 
         def complete(done: asyncio.Future) -> None:
-            self._requests.discard(done)
             error = None if done.cancelled() else done.exception()
             if error is not None:
                 if not isinstance(error, CorruptBlock | TransferFailed):
@@ -277,9 +274,10 @@ class _UcxChannel(FramedChannel):
         return outcome
 
     async def _quiesce(self) -> None:
-        if not self._requests:
+        in_flight = self._poster.in_flight()
+        if not in_flight:
             return
-        _, stuck = await asyncio.wait(list(self._requests), timeout=QUIESCE_S)
+        _, stuck = await asyncio.wait(in_flight, timeout=QUIESCE_S)
         if stuck:
             logger.error("%d UCX requests to %s did not end %gs after the endpoint was aborted", len(stuck), self.peer, QUIESCE_S)
 
@@ -309,7 +307,7 @@ class _UcxChannel(FramedChannel):
         only once UCX has ended them: nothing lands in a slot after that."""
         if not self._mark_closed():
             return
-        if self._requests:
+        if self._poster.in_flight():
             self._abandon("the channel was closed with requests in flight")
         if self._aborted:
             await self._quiesce()
@@ -365,11 +363,9 @@ class UcxPoster:
     def _release(self, completion: asyncio.Future) -> None:
         self._kept.pop(completion, None)
 
-
-def _landed(loop: asyncio.AbstractEventLoop) -> asyncio.Future:
-    future = loop.create_future()
-    future.set_result(None)
-    return future
+    def in_flight(self) -> list[asyncio.Future]:
+        """The completions of the requests UCX is not done with yet."""
+        return list(self._kept)
 
 
 class UcxTransport(Transport):

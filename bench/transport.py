@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import Report, gbps, parse_args
+from bench.report import Report, gbps, parse_args, timed
 from kvstore.errors import CorruptBlock, TierUnavailable
 from kvstore.transport.config import TransportConfig
 from kvstore.transport.factory import open_transport
@@ -236,7 +236,7 @@ class Consumer:
         self.passes = 1
         if kind != "timeline":
             self.passes = 10
-            per_pass = min(timed(lambda: self.compute(sample)) for _ in range(7)) / 10
+            per_pass = min(timed(lambda: self.compute_synced(sample)) for _ in range(7)) / 10
             self.passes = max(1, round(seconds_per_block / per_pass))
         self.pool = concurrent.futures.ThreadPoolExecutor(1) if kind == "cpu" else None
         self.reset()
@@ -249,6 +249,12 @@ class Consumer:
         values = torch.frombuffer(block, dtype=torch.uint8).to("cuda" if self.kind == "gpu" else "cpu", non_blocking=True)
         for _ in range(self.passes):
             values.sum(dtype=torch.int32)
+
+    def compute_synced(self, block: memoryview) -> None:
+        """``compute``, returning once the GPU has finished it too."""
+        self.compute(block)
+        if self.kind == "gpu":
+            torch.cuda.synchronize()
 
     def arrived(self, block: memoryview) -> None:
         if self.kind == "timeline":
@@ -273,14 +279,8 @@ class Consumer:
             return self.seconds * len(blocks)
         total = 0.0
         for block in blocks:
-            self.compute(block)
-            if self.kind == "gpu":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            self.compute(block)
-            if self.kind == "gpu":
-                torch.cuda.synchronize()
-            total += time.perf_counter() - start
+            self.compute_synced(block)  # warm, as a block that has just arrived
+            total += timed(lambda: self.compute_synced(block))
         return total
 
     def close(self) -> None:
@@ -340,12 +340,6 @@ async def idle_cpu(seconds: float) -> float:
     start_cpu, start = time.process_time(), time.perf_counter()
     await asyncio.sleep(seconds)
     return (time.process_time() - start_cpu) / (time.perf_counter() - start)
-
-
-def timed(work) -> float:
-    start = time.perf_counter()
-    work()
-    return time.perf_counter() - start
 
 
 # -- report ----------------------------------------------------------------------------

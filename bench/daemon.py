@@ -29,11 +29,11 @@ from bench.report import Report, best_of, gbps, parse_args, timed
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.client import KVStoreClient
+from kvstore.errors import TierUnavailable
 from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 from kvstore.spawn import DaemonProcess, spawn_daemon
-from kvstore.errors import TierUnavailable
 from kvstore.tiers.base import copy_bytes
 from kvstore.transport.config import TransportConfig
 from kvstore.transport.ucx import import_ucxx
@@ -182,12 +182,23 @@ def main() -> None:
     report.print_table(
         f"lookup of {LOOKUP_KEYS} keys (µs)",
         ["path", "p50", "p99"],
-        [["local socket", result["local_lookup_p50_us"], result["local_lookup_p99_us"]], ["gRPC", result["grpc_lookup_p50_us"], result["grpc_lookup_p99_us"]]],
+        [
+            ["local socket", result["local_lookup_p50_us"], result["local_lookup_p99_us"]],
+            ["gRPC", result["grpc_lookup_p50_us"], result["grpc_lookup_p99_us"]],
+        ],
     )
     report.print_table(
         f"data path, {total // MiB} MiB of 1 MiB blocks (GB/s; baseline: single-thread memcpy of the same blocks)",
         ["memcpy", "save", "load", "save/memcpy", "load/memcpy"],
-        [[result["memcpy_gbps"], result["save_gbps"], result["load_gbps"], result["save_gbps"] / result["memcpy_gbps"], result["load_gbps"] / result["memcpy_gbps"]]],
+        [
+            [
+                result["memcpy_gbps"],
+                result["save_gbps"],
+                result["load_gbps"],
+                result["save_gbps"] / result["memcpy_gbps"],
+                result["load_gbps"] / result["memcpy_gbps"],
+            ]
+        ],
     )
     report.ratio("lookup_512_p50_us", result["local_lookup_p50_us"], "<= 200")
     report.ratio("lookup_512_p99_us", result["local_lookup_p99_us"])
@@ -205,10 +216,20 @@ def main() -> None:
     for fetch in fetches:
         fetch.update(total_bytes=fetch_total, raw_socket_gbps=raw_gbps)
         report.results.append(fetch)
-        rows.append([fetch["transport"], raw_gbps, fetch["fetch_gbps"], fetch["local_load_gbps"], fetch["fetch_gbps"] / raw_gbps, fetch["fetch_gbps"] / fetch["local_load_gbps"]])
+        rows.append(
+            [
+                fetch["transport"],
+                raw_gbps,
+                fetch["fetch_gbps"],
+                fetch["local_load_gbps"],
+                fetch["fetch_gbps"] / raw_gbps,
+                fetch["fetch_gbps"] / fetch["local_load_gbps"],
+            ]
+        )
         report.ratio(f"remote_fetch_{fetch['transport']}_vs_raw_socket", fetch["fetch_gbps"] / raw_gbps)
     report.print_table(
-        f"remote fetch, {fetch_total // MiB} MiB of 1 MiB blocks held by another daemon (GB/s; the engine's load: fetch into this daemon, then copy out)",
+        f"remote fetch, {fetch_total // MiB} MiB of 1 MiB blocks held by another daemon "
+        "(GB/s; the engine's load: fetch into this daemon, then copy out)",
         ["transport", "raw socket", "remote load", "local load", "remote/raw", "remote/local"],
         rows,
     )

@@ -73,14 +73,16 @@ def measure(engines: dict[str, EngineProcess], tokens: list[int]) -> dict[str, t
     samples: dict[str, list[float]] = {name: [] for name in engines}
     names = list(engines)
     for round_index in range(max(SAMPLES.values())):
-        order = names[round_index % len(names):] + names[: round_index % len(names)]
+        order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for name in order:
             if round_index >= SAMPLES[name]:
                 continue
             repeat = engines[name].serve(request)
             if not same_decision(firsts[name], repeat):
-                raise SystemExit(f"{name}: a cached request decoded {repeat['tokens']}, the first {firsts[name]['tokens']} "
-                                 f"(top logprobs {firsts[name]['first_logprobs']})")
+                raise SystemExit(
+                    f"{name}: a cached request decoded {repeat['tokens']}, the first {firsts[name]['tokens']} "
+                    f"(top logprobs {firsts[name]['first_logprobs']})"
+                )
             samples[name].append(repeat["seconds"])
     return {name: (firsts[name]["seconds"], samples[name]) for name in engines}
 
@@ -97,14 +99,25 @@ def main() -> None:
         model = build_model(workdir / "model", "mid")
         example_dir = workdir / "example-connector"
         example_dir.mkdir()
-        daemon = spawn_daemon(workdir / "kvstore.sock", {
-            "server.grpc_port": 0, "server.metrics_port": -1, "nvme.enabled": "false", "host.capacity_bytes": 512 * MiB,
-        }, workdir / "daemon.log")
+        daemon = spawn_daemon(
+            workdir / "kvstore.sock",
+            {
+                "server.grpc_port": 0,
+                "server.metrics_port": -1,
+                "nvme.enabled": "false",
+                "host.capacity_bytes": 512 * MiB,
+            },
+            workdir / "daemon.log",
+        )
         connectors = {
             "recompute": None,
             "example": {"name": "ExampleConnector", "role": "kv_both", "extra": {"shared_storage_path": str(example_dir)}},
-            "kvstore": {"name": "KVStoreConnector", "module": "kvstore.connectors.vllm", "role": "kv_both",
-                        "extra": {"socket_path": str(daemon.socket_path)}},
+            "kvstore": {
+                "name": "KVStoreConnector",
+                "module": "kvstore.connectors.vllm",
+                "role": "kv_both",
+                "extra": {"socket_path": str(daemon.socket_path)},
+            },
         }
         for name, connector in connectors.items():
             plan = {"model": str(model), "block_size": BLOCK, "max_model_len": length + 64, "connector": connector}
@@ -114,18 +127,23 @@ def main() -> None:
         for seed, (shape, num_tokens) in enumerate(shapes.items(), start=1):
             for name, (first, samples) in measure(engines, prompt(num_tokens, seed)).items():
                 ttft[name, shape] = statistics.median(samples)
-                report.results.append({
-                    "setting": name, "prompt": shape, "prompt_tokens": num_tokens, "ttft_s": round(ttft[name, shape], 4),
-                    "samples_s": [round(x, 4) for x in samples], "first_request_s": round(first, 4),
-                    "startup_s": round(engines[name].startup_s, 1),
-                })
+                report.results.append(
+                    {
+                        "setting": name,
+                        "prompt": shape,
+                        "prompt_tokens": num_tokens,
+                        "ttft_s": round(ttft[name, shape], 4),
+                        "samples_s": [round(x, 4) for x in samples],
+                        "first_request_s": round(first, 4),
+                        "startup_s": round(engines[name].startup_s, 1),
+                    }
+                )
         report.results.append({"setting": "kvstore", "connector_counters": engines["kvstore"].close()})
         rows = [[name, shape, shapes[shape], ttft[name, shape] * 1e3] for name in connectors for shape in shapes]
         report.print_table("TTFT of a cached request (median of the samples), ms", ["setting", "prompt", "tokens", "ttft_ms"], rows)
         report.ratio("kvstore_over_recompute", ttft["kvstore", "whole_blocks"] / ttft["recompute", "whole_blocks"], "<= 0.3")
         report.ratio("kvstore_over_example", ttft["kvstore", "whole_blocks"] / ttft["example", "whole_blocks"], "< 1.0")
-        report.ratio("kvstore_over_example_partial_block",
-                     ttft["kvstore", "partial_block"] / ttft["example", "partial_block"], "< 1.0")
+        report.ratio("kvstore_over_example_partial_block", ttft["kvstore", "partial_block"] / ttft["example", "partial_block"], "< 1.0")
         report.emit(args.json)
     finally:
         for engine in engines.values():

@@ -30,7 +30,7 @@ import subprocess
 import tempfile
 import time
 import tracemalloc
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
@@ -174,7 +174,9 @@ async def redis_used_memory(client: aioredis.Redis) -> int:
     return int((await client.info("memory"))["used_memory"])
 
 
-async def bench_chain(report: Report, index: RedisIndex, baseline: PipelinedBaseline, embedded, num_blocks: int, repeats: tuple[int, int], rng: random.Random) -> list[list]:
+async def bench_chain(
+    report: Report, index: RedisIndex, baseline: PipelinedBaseline, embedded, num_blocks: int, repeats: tuple[int, int], rng: random.Random
+) -> list[list]:
     """Load one chain into every backend, check they agree, time their matches."""
     namespace = num_blocks.to_bytes(16, "big")
     chain = [rng.randbytes(16) for _ in range(num_blocks)]
@@ -197,8 +199,14 @@ async def bench_chain(report: Report, index: RedisIndex, baseline: PipelinedBase
 
     fast, slow = repeats
     measured = {
-        "redis": {**await timed_matches(redis_match, fast), "server_us": await server_usec(baseline.client, SCRIPT_COMMANDS, redis_match, 5)},
-        "pipelined": {**await timed_matches(pipelined_match, slow), "server_us": await server_usec(baseline.client, ("hgetall",), pipelined_match, 2)},
+        "redis": {
+            **await timed_matches(redis_match, fast),
+            "server_us": await server_usec(baseline.client, SCRIPT_COMMANDS, redis_match, 5),
+        },
+        "pipelined": {
+            **await timed_matches(pipelined_match, slow),
+            "server_us": await server_usec(baseline.client, ("hgetall",), pipelined_match, 2),
+        },
     }
     if embedded is not None:
         await load_index(embedded, namespace, chain, per_node)
@@ -206,7 +214,9 @@ async def bench_chain(report: Report, index: RedisIndex, baseline: PipelinedBase
         measured["embedded"] = await timed_matches(lambda: embedded.match(namespace, chain), fast * 5)
     label = f"{num_blocks // 1024}k"
     report.ratio(f"redis_match_round_trips_{label}", worst_trips)
-    report.ratio(f"redis_vs_pipelined_{label}", measured["pipelined"]["p50_us"] / measured["redis"]["p50_us"], ">= 5" if num_blocks == 8192 else None)
+    report.ratio(
+        f"redis_vs_pipelined_{label}", measured["pipelined"]["p50_us"] / measured["redis"]["p50_us"], ">= 5" if num_blocks == 8192 else None
+    )
     report.ratio(f"redis_match_{label}_p50_us", measured["redis"]["p50_us"])
     if embedded is not None:
         report.ratio(f"embedded_match_{label}_p50_us", measured["embedded"]["p50_us"], "<= 1000" if num_blocks == 8192 else None)
@@ -240,7 +250,11 @@ async def run(quick: bool) -> Report:
             report.ratio("redis_match_round_trips", max(trips), "<= 2")
 
             memory_rows = await measure_memory(index, baseline, client, embedded_class, num_locations, rng)
-            report.print_table(f"memory per million block locations (measured on {num_locations:,})", ["layout", "MiB / 1M locations", "bytes / location"], memory_rows)
+            report.print_table(
+                f"memory per million block locations (measured on {num_locations:,})",
+                ["layout", "MiB / 1M locations", "bytes / location"],
+                memory_rows,
+            )
             for layout, mib, _ in memory_rows:
                 report.ratio(f"{layout}_mib_per_million_locations", mib)
                 report.results.append({"memory": layout, "mib_per_million_locations": mib, "measured_locations": num_locations})
@@ -260,7 +274,10 @@ async def measure_memory(index, baseline, client, embedded_class, num_locations:
     namespace = b"memory".ljust(16, b"\0")
     total = window * NUM_NODES
     rows = []
-    for layout, load in (("redis", lambda: load_index(index, namespace, pool, per_node)), ("pipelined", lambda: baseline.load(namespace, pool, per_node))):
+    for layout, load in (
+        ("redis", lambda: load_index(index, namespace, pool, per_node)),
+        ("pipelined", lambda: baseline.load(namespace, pool, per_node)),
+    ):
         before = await redis_used_memory(client)
         await load()
         grown = await redis_used_memory(client) - before

@@ -32,7 +32,9 @@ try:
     from lmcache.v1.metadata import LMCacheMetadata
     from lmcache.v1.storage_backend import CreateStorageBackends
 except ImportError as missing:
-    raise SystemExit(f"bench.lmcache needs LMCache ({missing.name} is missing): run it with .venv-engines/bin/python (make engines-venv).") from None
+    raise SystemExit(
+        f"bench.lmcache needs LMCache ({missing.name} is missing): run it with .venv-engines/bin/python (make engines-venv)."
+    ) from None
 
 from bench.index import start_redis  # noqa: E402
 from bench.report import Report, best_of, gbps, parse_args, timed  # noqa: E402
@@ -110,7 +112,12 @@ def measure(side: LMCacheRemote, keys, chunks, empty_store, repeats: int) -> dic
     for memory_obj in got:
         memory_obj.ref_count_down()
     total = len(chunks) * CHUNK_BYTES
-    return {"put_gbps": gbps(total, put_s), "get_gbps": gbps(total, get_s), "put_chunks_per_s": len(chunks) / put_s, "get_chunks_per_s": len(chunks) / get_s}
+    return {
+        "put_gbps": gbps(total, put_s),
+        "get_gbps": gbps(total, get_s),
+        "put_chunks_per_s": len(chunks) / put_s,
+        "get_chunks_per_s": len(chunks) / get_s,
+    }
 
 
 def main() -> None:
@@ -121,14 +128,29 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="kvstore-bench-lmcache-"))
     report = Report("lmcache")
     redis_process, port = start_redis(str(workdir))
-    daemon = spawn_daemon(workdir / "kvstore.sock", {"server.grpc_port": 0, "server.metrics_port": -1, "host.capacity_bytes": total + 256 * MiB, "nvme.enabled": "false"}, workdir / "daemon.log")
+    daemon = spawn_daemon(
+        workdir / "kvstore.sock",
+        {"server.grpc_port": 0, "server.metrics_port": -1, "host.capacity_bytes": total + 256 * MiB, "nvme.enabled": "false"},
+        workdir / "daemon.log",
+    )
     results = {}
     try:
         redis_url = f"redis://127.0.0.1:{port}/0"
         admin = redis.Redis.from_url(redis_url)
         sides = {
             "redis": (LMCacheRemote("redis", {"redis_url": redis_url}, 2 * total + 64 * MiB), admin.flushall),
-            "kvstore": (LMCacheRemote("kvstore", {"module_path": "kvstore.connectors.lmcache", "class_name": "KVStoreRemoteConnector", "socket_path": daemon.state["socket"]}, 2 * total + 64 * MiB), None),
+            "kvstore": (
+                LMCacheRemote(
+                    "kvstore",
+                    {
+                        "module_path": "kvstore.connectors.lmcache",
+                        "class_name": "KVStoreRemoteConnector",
+                        "socket_path": daemon.state["socket"],
+                    },
+                    2 * total + 64 * MiB,
+                ),
+                None,
+            ),
         }
         namespace = sides["kvstore"][0].remote.connection.getWrappedConnector().store.namespace
 
@@ -150,7 +172,9 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
     redis_side, kvstore_side = results["redis"], results["kvstore"]
-    report.results.append({"chunk_bytes": CHUNK_BYTES, "num_chunks": num_chunks, "total_bytes": total, "redis": redis_side, "kvstore": kvstore_side})
+    report.results.append(
+        {"chunk_bytes": CHUNK_BYTES, "num_chunks": num_chunks, "total_bytes": total, "redis": redis_side, "kvstore": kvstore_side}
+    )
     report.print_table(
         f"LMCache remote put/get of {num_chunks} chunks of {CHUNK_BYTES // MiB} MiB ({total // MiB} MiB), GB/s and chunks/s",
         ["connector", "put GB/s", "get GB/s", "put chunks/s", "get chunks/s"],

@@ -12,8 +12,9 @@ import json
 import operator
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["Report", "parse_args", "best_of", "gbps"]
 

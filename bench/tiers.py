@@ -76,7 +76,11 @@ def bench_host(block_bytes: int, total_bytes: int, repeats: int) -> dict:
     namespace = namespace_for(block_bytes)
     hashes = chain_hashes(np.arange(num_blocks * 16, dtype=np.int64), 16)
     page = max(64 * MiB, block_bytes)
-    host = HostTier(HostTierConfig(capacity_bytes=math.ceil(total_bytes / page + 1) * page, name=f"kvstore-bench-{uuid.uuid4().hex[:8]}", page_bytes=page))
+    host = HostTier(
+        HostTierConfig(
+            capacity_bytes=math.ceil(total_bytes / page + 1) * page, name=f"kvstore-bench-{uuid.uuid4().hex[:8]}", page_bytes=page
+        )
+    )
     manager = TierManager(TierManagerConfig(high_watermark=1.0, low_watermark=0.9), [host])
     manager.register_namespace(namespace)
     digest = namespace.digest
@@ -159,7 +163,9 @@ def bench_nvme(directory: Path, block_bytes: int, total_bytes: int) -> dict:
     src.copy_(torch.randint(0, 256, (total_bytes,), dtype=torch.uint8))
     dst = page_aligned(total_bytes)
     page = max(64 * MiB, 2 * (block_bytes + 4096))
-    config = NvmeTierConfig(directory=directory / "nvme", capacity_bytes=nvme_capacity(block_bytes, num_blocks, page), page_bytes=page, file_bytes=16 * page)
+    config = NvmeTierConfig(
+        directory=directory / "nvme", capacity_bytes=nvme_capacity(block_bytes, num_blocks, page), page_bytes=page, file_bytes=16 * page
+    )
     tier = NvmeTier(config)
     raw_write, raw_read = raw_file_io(directory, src, dst, block_bytes, tier.uses_direct_io)
     namespace = namespace_for(block_bytes)
@@ -208,8 +214,14 @@ def bench_moves(directory: Path, namespace: Namespace, hashes, srcs, block_bytes
     """Demotion and promotion of every block through the tier manager."""
     total_bytes = len(srcs) * block_bytes
     page = max(64 * MiB, 2 * (block_bytes + 4096))
-    host = HostTier(HostTierConfig(capacity_bytes=(math.ceil(total_bytes / page) + 1) * page, name=f"kvstore-bench-{uuid.uuid4().hex[:8]}", page_bytes=page))
-    nvme_config = NvmeTierConfig(directory=directory / "moves", capacity_bytes=nvme_capacity(block_bytes, len(srcs), page), page_bytes=page, file_bytes=16 * page)
+    host = HostTier(
+        HostTierConfig(
+            capacity_bytes=(math.ceil(total_bytes / page) + 1) * page, name=f"kvstore-bench-{uuid.uuid4().hex[:8]}", page_bytes=page
+        )
+    )
+    nvme_config = NvmeTierConfig(
+        directory=directory / "moves", capacity_bytes=nvme_capacity(block_bytes, len(srcs), page), page_bytes=page, file_bytes=16 * page
+    )
     nvme = NvmeTier(nvme_config)
     config = TierManagerConfig(high_watermark=0.02, low_watermark=0.01, demote_on_commit=False)
     manager = TierManager(config, [host, nvme])
@@ -263,7 +275,9 @@ def bench_compression(directory: Path, num_blocks: int) -> dict:
     block_bytes = MiB
     # KV-like values: normally distributed fp16, as attention keys and values are
     data = torch.randn(num_blocks * block_bytes // 2, generator=torch.Generator().manual_seed(0)).half().view(torch.uint8)
-    config = NvmeTierConfig(directory=directory / "zstd", capacity_bytes=nvme_capacity(block_bytes, num_blocks, 64 * MiB), compression="zstd")
+    config = NvmeTierConfig(
+        directory=directory / "zstd", capacity_bytes=nvme_capacity(block_bytes, num_blocks, 64 * MiB), compression="zstd"
+    )
     tier = NvmeTier(config)
     namespace = namespace_for(block_bytes)
     hashes = chain_hashes(np.arange(num_blocks * 16, dtype=np.int64), 16)
@@ -283,7 +297,10 @@ def bench_compression(directory: Path, num_blocks: int) -> dict:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument("--dir", type=Path, default=Path("/var/tmp"), help="where NVMe files go (a real disk, not tmpfs)"))
+    args = parse_args(
+        __doc__.splitlines()[0],
+        lambda p: p.add_argument("--dir", type=Path, default=Path("/var/tmp"), help="where NVMe files go (a real disk, not tmpfs)"),
+    )
     torch.set_num_threads(1)
     total = (64 if args.quick else 512) * MiB
     repeats = 2 if args.quick else 3
@@ -301,8 +318,31 @@ def main() -> None:
             report.ratio(f"host_get_vs_memcpy_{label}", host["get_gbps"] / host["baseline_gbps"], ">= 0.8")
             report.ratio(f"nvme_put_vs_raw_{label}", nvme["put_gbps"] / nvme["raw_write_gbps"], ">= 0.7")
             report.ratio(f"nvme_get_vs_raw_{label}", nvme["get_gbps"] / nvme["raw_read_gbps"], ">= 0.7")
-            host_rows.append([label, host["baseline_gbps"], host["one_copy_gbps"], host["put_gbps"], host["get_gbps"], host["put_gbps"] / host["baseline_gbps"], host["get_gbps"] / host["baseline_gbps"]])
-            nvme_rows.append([label, nvme["io_mode"], nvme["raw_write_gbps"], nvme["put_gbps"], nvme["raw_read_gbps"], nvme["get_gbps"], nvme["put_gbps"] / nvme["raw_write_gbps"], nvme["get_gbps"] / nvme["raw_read_gbps"], nvme["demote_gbps"], nvme["promote_gbps"]])
+            host_rows.append(
+                [
+                    label,
+                    host["baseline_gbps"],
+                    host["one_copy_gbps"],
+                    host["put_gbps"],
+                    host["get_gbps"],
+                    host["put_gbps"] / host["baseline_gbps"],
+                    host["get_gbps"] / host["baseline_gbps"],
+                ]
+            )
+            nvme_rows.append(
+                [
+                    label,
+                    nvme["io_mode"],
+                    nvme["raw_write_gbps"],
+                    nvme["put_gbps"],
+                    nvme["raw_read_gbps"],
+                    nvme["get_gbps"],
+                    nvme["put_gbps"] / nvme["raw_write_gbps"],
+                    nvme["get_gbps"] / nvme["raw_read_gbps"],
+                    nvme["demote_gbps"],
+                    nvme["promote_gbps"],
+                ]
+            )
         report.print_table(
             f"host tier (GB/s, {total // MiB} MiB per size; baseline: single-thread memcpy of the same blocks between private tensors)",
             ["block", "memcpy", "1 copy", "put", "get", "put/memcpy", "get/memcpy"],

@@ -30,6 +30,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import socket
 import subprocess
 import sys
@@ -64,7 +65,7 @@ class FramedLink:
     def __init__(self, kind: str, destination: memoryview) -> None:
         self.kind, self.destination = kind, destination
 
-    async def __aenter__(self) -> "FramedLink":
+    async def __aenter__(self) -> FramedLink:
         self.transport = open_transport(TransportConfig(kind=self.kind, window_blocks=WINDOW))
         accepted: asyncio.Queue = asyncio.Queue()
         self.finished = asyncio.Event()
@@ -78,7 +79,7 @@ class FramedLink:
         self.channel = await asyncio.wait_for(accepted.get(), 60)
         return self
 
-    async def run(self, block_bytes: int, consumer: "Consumer | None" = None) -> float:
+    async def run(self, block_bytes: int, consumer: Consumer | None = None) -> float:
         """Receive as the daemon does (`Landing`: receives posted ahead, checksums verified
         as payloads land), handing each verified block to ``consumer``; the seconds until
         the last block was received (and consumed)."""
@@ -117,7 +118,7 @@ class RawSocketLink:
     def __init__(self, destination: memoryview) -> None:
         self.destination = destination
 
-    async def __aenter__(self) -> "RawSocketLink":
+    async def __aenter__(self) -> RawSocketLink:
         with socket.create_server(("127.0.0.1", 0)) as server:
             server.settimeout(60)
             self.sender = start_sender("raw-tcp", f"tcp://127.0.0.1:{server.getsockname()[1]}", len(self.destination))
@@ -165,7 +166,7 @@ class RawUcxLink:
     def __init__(self, destination: memoryview) -> None:
         self.destination = destination
 
-    async def __aenter__(self) -> "RawUcxLink":
+    async def __aenter__(self) -> RawUcxLink:
         ucxx = import_ucxx(TransportConfig(kind="ucx"))
         accepted: asyncio.Queue = asyncio.Queue()
 
@@ -280,7 +281,7 @@ class Consumer:
         total = 0.0
         for block in blocks:
             self.compute_synced(block)  # warm, as a block that has just arrived
-            total += timed(lambda: self.compute_synced(block))
+            total += timed(functools.partial(self.compute_synced, block))
         return total
 
     def close(self) -> None:
@@ -361,9 +362,17 @@ def main() -> None:
     best = asyncio.run(bench_links(total, has_ucx, repeats))
 
     # (column, link, block size or None for "this row's", ratio name of kvstore / it)
-    measures = [("raw socket 1 buf", "raw_tcp", total, "tcp_vs_raw_socket"), ("raw socket framed", "raw_tcp", None, "tcp_vs_blocking_framed"), ("kv tcp", "kvstore_tcp", None, "")]
+    measures = [
+        ("raw socket 1 buf", "raw_tcp", total, "tcp_vs_raw_socket"),
+        ("raw socket framed", "raw_tcp", None, "tcp_vs_blocking_framed"),
+        ("kv tcp", "kvstore_tcp", None, ""),
+    ]
     if has_ucx:
-        measures += [("raw ucx 1 msg", "raw_ucx", total, "ucx_vs_raw_ucx_1msg"), ("raw ucx blocks", "raw_ucx", None, "ucx_vs_raw_ucx_blocks"), ("kv ucx", "kvstore_ucx", None, "")]
+        measures += [
+            ("raw ucx 1 msg", "raw_ucx", total, "ucx_vs_raw_ucx_1msg"),
+            ("raw ucx blocks", "raw_ucx", None, "ucx_vs_raw_ucx_blocks"),
+            ("kv ucx", "kvstore_ucx", None, ""),
+        ]
     rows = []
     for block_bytes in BLOCK_SIZES:
         label = label_of(block_bytes)
@@ -377,7 +386,8 @@ def main() -> None:
         report.results.append(row)
         rows.append([label] + [row[column] for column, *_ in measures])
     report.print_table(
-        f"throughput (GB/s, best of {repeats}, {total // MiB} MiB from a sender process; kv: kvstore framed, checksummed, received in place; "
+        f"throughput (GB/s, best of {repeats}, {total // MiB} MiB from a sender process; "
+        "kv: kvstore framed, checksummed, received in place; "
         "raw framed / blocks: the same block sizes, with kvstore's headers and checksums over a blocking socket / bare over ucxx)",
         ["block"] + [column for column, *_ in measures],
         rows,
@@ -392,8 +402,9 @@ def main() -> None:
                 report.ratio(f"overlap_{kind}", overlap["efficiency"], "<= 1.15")
             overlap_rows.append([kind, compute, overlap["transfer_s"], overlap["compute_s"], overlap["together_s"], overlap["efficiency"]])
     report.print_table(
-        f"overlap ({OVERLAP_BLOCK_BYTES // MiB} MiB blocks consumed by a compute thread as they arrive; efficiency = together / max(transfer, compute); "
-        "compute: gpu = launched on the GPU as blocks land; timeline = a GPU stream's schedule over the measured arrivals (no GPU here); cpu = a host thread beside sender and receiver)",
+        f"overlap ({OVERLAP_BLOCK_BYTES // MiB} MiB blocks consumed by a compute thread as they arrive; "
+        "efficiency = together / max(transfer, compute); compute: gpu = launched on the GPU as blocks land; "
+        "timeline = a GPU stream's schedule over the measured arrivals (no GPU here); cpu = a host thread beside sender and receiver)",
         ["transport", "compute", "transfer s", "compute s", "together s", "efficiency"],
         overlap_rows,
     )
@@ -403,7 +414,11 @@ def main() -> None:
         report.results.append({"idle_cpu": kind, "cores": cores})
         report.ratio(f"idle_cores_{kind}", cores, "<= 0.05")
         idle_rows.append([kind, cores])
-    report.print_table(f"idle cost (cores the receiving process uses over {IDLE_SECONDS:g} s with its channel open and no traffic)", ["transport", "cores"], idle_rows)
+    report.print_table(
+        f"idle cost (cores the receiving process uses over {IDLE_SECONDS:g} s with its channel open and no traffic)",
+        ["transport", "cores"],
+        idle_rows,
+    )
     report.emit(args.json)
 
 

@@ -43,7 +43,9 @@ async def send_frames(kind: str, address: str, data: memoryview, window: int) ->
                 return
             blocks = (data[offset : offset + block_bytes] for offset in range(0, len(data), block_bytes))
             # a generator: each block's checksum is computed when the window has room for it
-            await channel.send_many((block_header(1, NAMESPACE, index.to_bytes(16, "little"), block, index), block) for index, block in enumerate(blocks))
+            await channel.send_many(
+                (block_header(1, NAMESPACE, index.to_bytes(16, "little"), block, index), block) for index, block in enumerate(blocks)
+            )
     finally:
         await transport.close()
 

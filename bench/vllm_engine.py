@@ -56,8 +56,14 @@ class EngineFailed(RuntimeError):
 def _run_vllm_python(args: list[str], log: Path, timeout_s: float) -> None:
     env = {**os.environ, **ENGINE_ENV}
     with open(log, "w") as output:
-        result = subprocess.run([str(VLLM_PYTHON), *args], stdout=output, stderr=subprocess.STDOUT,
-                                timeout=timeout_s, cwd=Path(__file__).resolve().parents[1], env=env)
+        result = subprocess.run(
+            [str(VLLM_PYTHON), *args],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+            cwd=Path(__file__).resolve().parents[1],
+            env=env,
+        )
     if result.returncode != 0:
         raise EngineFailed(f"{' '.join(args)} exited with {result.returncode}; log {log}:\n{log.read_text()[-6000:]}")
 
@@ -130,9 +136,13 @@ def serve(llm, request: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     transfer = request.get("kv_transfer_params")
-    params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 16), ignore_eos=True,
-                            logprobs=request.get("logprobs"),
-                            extra_args={"kv_transfer_params": transfer} if transfer else None)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=request.get("max_tokens", 16),
+        ignore_eos=True,
+        logprobs=request.get("logprobs"),
+        extra_args={"kv_transfer_params": transfer} if transfer else None,
+    )
     began = time.perf_counter()
     output = llm.generate([TokensPrompt(prompt_token_ids=request["prompt"])], params, use_tqdm=False)[0]
     seconds = time.perf_counter() - began
@@ -179,9 +189,14 @@ class EngineProcess:
         self._log = workdir / f"{name}.log"
         with open(self._log, "w") as log:
             self._process = subprocess.Popen(
-                [str(VLLM_PYTHON), "-m", "bench.vllm_engine", str(plan_path), "--serve"], stdin=subprocess.PIPE,
-                stdout=log, stderr=subprocess.STDOUT, pass_fds=(write_fd,), text=True,
-                cwd=Path(__file__).resolve().parents[1], env={**os.environ, **ENGINE_ENV, "KVSTORE_ANSWER_FD": str(write_fd)},
+                [str(VLLM_PYTHON), "-m", "bench.vllm_engine", str(plan_path), "--serve"],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(write_fd,),
+                text=True,
+                cwd=Path(__file__).resolve().parents[1],
+                env={**os.environ, **ENGINE_ENV, "KVSTORE_ANSWER_FD": str(write_fd)},
             )
         os.close(write_fd)
         self._answers = os.fdopen(read_fd, "r")

@@ -20,19 +20,56 @@ from pathlib import Path
 # multiple of 32 (set by the engine, not here).
 SIZES = {
     # ~1 M parameters: starts in seconds, for the correctness tests.
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=64, vocab_size=1024),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=1024,
+    ),
     # ~60 M parameters: prefill of an 8K-token prompt takes seconds on two cores.
-    "mid": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
-                num_key_value_heads=4, head_dim=64, vocab_size=4096),
+    "mid": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_size=4096,
+    ),
 }
 SEED = 1234
 MAX_POSITIONS = 16384
 
 
 def _training_text(num_lines: int) -> list[str]:
-    words = ["kv", "cache", "block", "prefix", "token", "layer", "tier", "slab", "engine", "router", "store",
-             "decode", "prefill", "hash", "chain", "agent", "tool", "call", "the", "a", "of", "to", "in"]
+    words = [
+        "kv",
+        "cache",
+        "block",
+        "prefix",
+        "token",
+        "layer",
+        "tier",
+        "slab",
+        "engine",
+        "router",
+        "store",
+        "decode",
+        "prefill",
+        "hash",
+        "chain",
+        "agent",
+        "tool",
+        "call",
+        "the",
+        "a",
+        "of",
+        "to",
+        "in",
+    ]
     rng = random.Random(SEED)
     return [" ".join(rng.choice(words) + str(rng.randrange(100)) for _ in range(24)) for _ in range(num_lines)]
 
@@ -43,14 +80,22 @@ def build_tokenizer(directory: Path, vocab_size: int) -> None:
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tokenizer.train_from_iterator(_training_text(2000), trainer=trainer)
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "model_max_length": MAX_POSITIONS, "clean_up_tokenization_spaces": False,
-    }))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "model_max_length": MAX_POSITIONS,
+                "clean_up_tokenization_spaces": False,
+            }
+        )
+    )
 
 
 def build_model(directory: Path, size: str) -> Path:
@@ -64,8 +109,15 @@ def build_model(directory: Path, size: str) -> Path:
         return directory
     geometry = SIZES[size]
     build_tokenizer(directory, geometry["vocab_size"])
-    config = LlamaConfig(**geometry, max_position_embeddings=MAX_POSITIONS, bos_token_id=0, eos_token_id=1,
-                         tie_word_embeddings=False, torch_dtype="bfloat16", rope_theta=10000.0)
+    config = LlamaConfig(
+        **geometry,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        rope_theta=10000.0,
+    )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config)
     # A wider spread than the default init makes attention sharper, so the tokens a

@@ -29,8 +29,9 @@ trip); they run in worker threads so LMCache's event loop keeps serving meanwhil
 from __future__ import annotations
 
 import asyncio
+import builtins
 import logging
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from lmcache.utils import CacheEngineKey
@@ -64,7 +65,9 @@ class KVStoreRemoteConnector(RemoteConnector):
         planes, num_layers, chunk_size, hidden = self.meta_shapes[0]  # what LMCache allocates; planes: 1 with MLA
         self.num_heads, self.head_dim = metadata.kv_shape[3], metadata.kv_shape[4]
         if self.num_heads * self.head_dim != hidden:
-            raise InvalidArgument(f"LMCache's chunks hold {hidden} values per token and layer, not {self.num_heads} heads × {self.head_dim}.")
+            raise InvalidArgument(
+                f"LMCache's chunks hold {hidden} values per token and layer, not {self.num_heads} heads × {self.head_dim}."
+            )
         layout = KVLayout(num_layers, self.num_heads, self.head_dim, chunk_size, layout_dtype(metadata.kv_dtype), planes)
         namespace = Namespace(
             model_id=metadata.model_name,
@@ -86,31 +89,31 @@ class KVStoreRemoteConnector(RemoteConnector):
     def support_batched_contains(self) -> bool:
         return True
 
-    def batched_contains(self, keys: List[CacheEngineKey]) -> int:
+    def batched_contains(self, keys: builtins.list[CacheEngineKey]) -> int:
         """How many leading keys are cached."""
         return self._calls.count("lookup", lambda: self.store.num_cached(_names(keys)))
 
     def support_batched_async_contains(self) -> bool:
         return True
 
-    async def batched_async_contains(self, lookup_id: str, keys: List[CacheEngineKey], pin: bool = False) -> int:
+    async def batched_async_contains(self, lookup_id: str, keys: builtins.list[CacheEngineKey], pin: bool = False) -> int:
         return await asyncio.to_thread(self.batched_contains, keys)
 
     # -- get -----------------------------------------------------------------------------
-    async def get(self, key: CacheEngineKey) -> Optional[MemoryObj]:
+    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
         return (await self.batched_get([key]))[0]
 
     def support_batched_get(self) -> bool:
         return True
 
-    async def batched_get(self, keys: List[CacheEngineKey]) -> List[Optional[MemoryObj]]:
+    async def batched_get(self, keys: builtins.list[CacheEngineKey]) -> builtins.list[MemoryObj | None]:
         found = await asyncio.to_thread(self._read, keys)
         return found + [None] * (len(keys) - len(found))
 
     def support_batched_get_non_blocking(self) -> bool:
         return True
 
-    async def batched_get_non_blocking(self, lookup_id: str, keys: List[CacheEngineKey]) -> List[MemoryObj]:
+    async def batched_get_non_blocking(self, lookup_id: str, keys: builtins.list[CacheEngineKey]) -> builtins.list[MemoryObj]:
         return await asyncio.to_thread(self._read, keys)
 
     # -- put -----------------------------------------------------------------------------
@@ -120,12 +123,12 @@ class KVStoreRemoteConnector(RemoteConnector):
     def support_batched_put(self) -> bool:
         return True
 
-    async def batched_put(self, keys: List[CacheEngineKey], memory_objs: List[MemoryObj]) -> None:
+    async def batched_put(self, keys: builtins.list[CacheEngineKey], memory_objs: builtins.list[MemoryObj]) -> None:
         """Store the full chunks (LMCache's RemoteBackend drops the references after)."""
         await asyncio.to_thread(self._write, keys, memory_objs)
 
     # -- the rest of LMCache's connector interface -----------------------------------------
-    async def list(self) -> List[str]:
+    async def list(self) -> builtins.list[str]:
         """Keys are one-way hashes in kvstore; `kvstore ls` lists the blocks themselves."""
         return []
 
@@ -133,11 +136,11 @@ class KVStoreRemoteConnector(RemoteConnector):
         self.store.close()
 
     # -- helpers -------------------------------------------------------------------------
-    def _read(self, keys: Sequence[CacheEngineKey]) -> List[MemoryObj]:
+    def _read(self, keys: Sequence[CacheEngineKey]) -> builtins.list[MemoryObj]:
         """The cached prefix of ``keys`` as new LMCache memory objects."""
-        found: List[MemoryObj] = []
+        found: list[MemoryObj] = []
 
-        def target(index: int) -> Optional[torch.Tensor]:
+        def target(index: int) -> torch.Tensor | None:
             memory_obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
             if memory_obj is None:
                 return None
@@ -155,7 +158,9 @@ class KVStoreRemoteConnector(RemoteConnector):
             logger.debug("kvstore LMCache plugin: %d partial chunks not stored", len(keys) - len(full))
         if not full:
             return 0
-        return self._calls.count("store", lambda: self.store.write(_names([key for key, _ in full]), [self._block_view(obj) for _, obj in full]))
+        return self._calls.count(
+            "store", lambda: self.store.write(_names([key for key, _ in full]), [self._block_view(obj) for _, obj in full])
+        )
 
     def _block_view(self, memory_obj: MemoryObj) -> torch.Tensor:
         """A chunk ``[planes, layers, tokens, heads × head_dim]`` seen as kvstore's block
@@ -164,7 +169,7 @@ class KVStoreRemoteConnector(RemoteConnector):
         return memory_obj.tensor.view(planes, layers, tokens, self.num_heads, self.head_dim).transpose(0, 1)
 
 
-def _names(keys: Sequence[CacheEngineKey]) -> List[str]:
+def _names(keys: Sequence[CacheEngineKey]) -> list[str]:
     return [key.to_string() for key in keys]
 
 

@@ -27,7 +27,7 @@ or fails verification is a miss, so SGLang recomputes it.
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional
+from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -70,7 +70,9 @@ class HostPoolPages:
         self.buffer: torch.Tensor = pool.kv_buffer
         known = self._MLA if is_mla else self._MHA
         if not isinstance(self.buffer, torch.Tensor):
-            raise InvalidArgument("this SGLang host pool holds no KV buffer of its own (a hybrid model's logical pool); kvstore stores MHA and MLA pools.")
+            raise InvalidArgument(
+                "this SGLang host pool holds no KV buffer of its own (a hybrid model's logical pool); kvstore stores MHA and MLA pools."
+            )
         if self.layout not in known or self.buffer.dim() != known[self.layout][0]:
             raise InvalidArgument(
                 f"kvstore cannot address an SGLang {'MLA' if is_mla else 'MHA'} host pool with layout {self.layout!r} "
@@ -110,16 +112,16 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     once SGLang registers its host pool (``register_mem_pool_host``), which fixes the page
     geometry and so the namespace."""
 
-    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         extra = storage_config.extra_config or {}
         self.storage_config = storage_config
-        self.socket_path: Optional[str] = extra.get("socket_path")
+        self.socket_path: str | None = extra.get("socket_path")
         self.tenant_salt: str = str(extra.get("tenant_salt", ""))
         self.model_id = extra.get("model_id") or storage_config.model_name
         if not self.model_id:
             raise InvalidArgument("SGLang passed no model name to the kvstore backend; set model_id in its extra config.")
-        self.pages: Optional[HostPoolPages] = None
-        self.store: Optional[EngineKeyStore] = None
+        self.pages: HostPoolPages | None = None
+        self.store: EngineKeyStore | None = None
         self._calls = ErrorsAsMisses(logger)
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -141,14 +143,14 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.store = EngineKeyStore(namespace, self.socket_path)
 
     # -- zero copy: the host pool <-> the daemon's slab ------------------------------------
-    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         def load() -> int:
             store, starts = self._store(), self._page_starts(keys, host_indices)
             return store.read(keys, lambda i: self.pages.page(starts[i]))
 
         return _leading(self._calls.count("load", load), len(keys))
 
-    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         def store() -> int:
             store, starts = self._store(), self._page_starts(keys, host_indices)
             return store.write(keys, [self.pages.page(start) for start in starts], _parent_key(extra_info))
@@ -156,24 +158,26 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         return _leading(self._calls.count("store", store), len(keys))
 
     # -- flat page tensors (SGLang's path without interface_v1) ---------------------------
-    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
+    def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None) -> torch.Tensor | None:
         return self.batch_get([key], [target_location])[0]
 
-    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
+    def batch_get(self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None) -> list[torch.Tensor | None]:
         loaded = self._calls.count("load", lambda: self._store().read(keys, lambda i: self.pages.flat(target_locations[i])))
         return [target if index < loaded else None for index, target in enumerate(target_locations)]
 
-    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+    def set(self, key: str, value: Any | None = None, target_location: Any | None = None, target_sizes: Any | None = None) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+    def batch_set(
+        self, keys: list[str], values: Any | None = None, target_locations: Any | None = None, target_sizes: Any | None = None
+    ) -> bool:
         return self._calls.count("store", lambda: self._store().write(keys, [self.pages.flat(value) for value in values])) == len(keys)
 
     # -- presence ------------------------------------------------------------------------
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """The number of leading keys cached (SGLang fetches a consecutive prefix)."""
         return self._calls.count("lookup", lambda: self._store().num_cached(keys))
 
@@ -188,18 +192,18 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             raise InvalidArgument("the kvstore HiCache backend has no host pool yet; SGLang registers it with register_mem_pool_host.")
         return self.store
 
-    def _page_starts(self, keys: List[str], host_indices: torch.Tensor) -> List[int]:
+    def _page_starts(self, keys: list[str], host_indices: torch.Tensor) -> list[int]:
         page_size = self.pages.page_size
         if host_indices.numel() != len(keys) * page_size:
             raise InvalidArgument(f"{len(keys)} page keys need {len(keys) * page_size} host indices, got {host_indices.numel()}.")
         return host_indices[::page_size].tolist()
 
 
-def _leading(count: int, total: int) -> List[bool]:
+def _leading(count: int, total: int) -> list[bool]:
     return [index < count for index in range(total)]
 
 
-def _parent_key(extra_info: Optional[HiCacheStorageExtraInfo]) -> Optional[str]:
+def _parent_key(extra_info: HiCacheStorageExtraInfo | None) -> str | None:
     """The page before the batch in SGLang's prefix chain, when SGLang passes it."""
     prefix = extra_info.prefix_keys if extra_info is not None else None
     return prefix[-1] if prefix else None

@@ -61,15 +61,17 @@ _ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
 
 class KVStoreConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         if transfer.kv_role not in _ROLES:
             raise InvalidArgument(f"kv_role {transfer.kv_role!r} is not supported by the kvstore connector; use one of {_ROLES}.")
         if transfer.kv_load_failure_policy != "recompute":
-            logger.warning("kvstore: kv_load_failure_policy=%r fails a request whose cached block cannot be loaded "
-                           "(evicted, or failed its checksum); set 'recompute' to recompute it instead",
-                           transfer.kv_load_failure_policy)
+            logger.warning(
+                "kvstore: kv_load_failure_policy=%r fails a request whose cached block cannot be loaded "
+                "(evicted, or failed its checksum); set 'recompute' to recompute it instead",
+                transfer.kv_load_failure_policy,
+            )
         settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         geometry = engine_geometry(vllm_config, settings.model_id or None)
         self._scheduler: SchedulerSide | None = None

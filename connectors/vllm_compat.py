@@ -12,8 +12,9 @@ learns it from the layer's own cache-write kernel (``cache_writer``, ``vllm_layo
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -73,7 +74,7 @@ class EngineGeometry:
     pp_size: int
 
 
-def engine_geometry(vllm_config: "VllmConfig", model_id: str | None) -> EngineGeometry:
+def engine_geometry(vllm_config: VllmConfig, model_id: str | None) -> EngineGeometry:
     model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     if cache.cache_dtype != "auto":
         raise InvalidArgument(
@@ -116,7 +117,7 @@ def check_kv_cache(name: str, cache: torch.Tensor, geometry: EngineGeometry) -> 
         raise InvalidArgument(f"KV cache layer {name} holds {cache.dtype}, but the model dtype is {geometry.dtype}.")
 
 
-def cache_writer(vllm_config: "VllmConfig", layer_name: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+def cache_writer(vllm_config: VllmConfig, layer_name: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
     """The layer's own cache-write kernel, writing token slots 0… of a one-block cache
     (what ``vllm_layout.BlockOrder.discover`` learns the block layout from)."""
     layer = vllm_config.compilation_config.static_forward_context[layer_name]
@@ -145,20 +146,32 @@ def first_group_block_ids(block_ids: Any) -> list[int]:
     return list(block_ids[0])
 
 
-def scheduled_requests(output: "SchedulerOutput") -> list[ScheduledRequest]:
+def scheduled_requests(output: SchedulerOutput) -> list[ScheduledRequest]:
     steps = output.num_scheduled_tokens
     requests = [
-        ScheduledRequest(new.req_id, new.num_computed_tokens, steps[new.req_id], first_group_block_ids(new.block_ids), True,
-                         list(new.prompt_token_ids or ()))
+        ScheduledRequest(
+            new.req_id,
+            new.num_computed_tokens,
+            steps[new.req_id],
+            first_group_block_ids(new.block_ids),
+            True,
+            list(new.prompt_token_ids or ()),
+        )
         for new in output.scheduled_new_reqs
     ]
     cached = output.scheduled_cached_reqs
     for index, req_id in enumerate(cached.req_ids):
         new_ids = cached.new_block_ids[index]
-        requests.append(ScheduledRequest(
-            req_id, cached.num_computed_tokens[index], steps[req_id],
-            None if new_ids is None else first_group_block_ids(new_ids), req_id in cached.resumed_req_ids, None,
-        ))
+        requests.append(
+            ScheduledRequest(
+                req_id,
+                cached.num_computed_tokens[index],
+                steps[req_id],
+                None if new_ids is None else first_group_block_ids(new_ids),
+                req_id in cached.resumed_req_ids,
+                None,
+            )
+        )
     return requests
 
 

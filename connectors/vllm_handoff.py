@@ -27,9 +27,9 @@ own thread, which alone uses its client.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
 import torch
 
@@ -65,8 +65,9 @@ class _StepSends:
 
 
 class HandoffSender:
-    def __init__(self, client: KVStoreClient, digest: bytes, copier: LayerCopier, copies: CopyThread, timeout_s: float,
-                 tp_rank: int) -> None:
+    def __init__(
+        self, client: KVStoreClient, digest: bytes, copier: LayerCopier, copies: CopyThread, timeout_s: float, tp_rank: int
+    ) -> None:
         self._tp_rank = tp_rank
         self._client = client
         self._digest = digest
@@ -86,7 +87,6 @@ class HandoffSender:
         runs = [run for outgoing in self._step.handoffs if not outgoing.failed for run in outgoing.runs]
         if runs:
             self._step.copies.append((layer, self._copies.submit(self._copier.save, cache, layer, runs)))
-
 
     def finish_step(self, abandon: bool) -> None:
         """Announce the remaining layers and wait for every handoff of the step to land —
@@ -110,8 +110,9 @@ class HandoffSender:
             sending = self._client.handoff_send(self._digest, spec.hashes, spec.transfer_id, spec.destination)
         except KVStoreError as exc:
             self.failures += 1
-            logger.warning("kvstore: cannot open handoff %r to %s, the decode instance will recompute: %s",
-                           spec.transfer_id, spec.destination, exc)
+            logger.warning(
+                "kvstore: cannot open handoff %r to %s, the decode instance will recompute: %s", spec.transfer_id, spec.destination, exc
+            )
             return None
         return _Outgoing(spec, runs_of(spec.block_ids, sending.views, self._copier.block_bytes))
 
@@ -139,14 +140,24 @@ class HandoffSender:
             self._mark_failed(outgoing, exc)
             return
         self.blocks_sent += len(spec.hashes)
-        logger.info("kvstore: handoff %r of request %s: %d blocks to %s (%d stored there)",
-                    spec.transfer_id, spec.req_id, len(spec.hashes), spec.destination, stored)
+        logger.info(
+            "kvstore: handoff %r of request %s: %d blocks to %s (%d stored there)",
+            spec.transfer_id,
+            spec.req_id,
+            len(spec.hashes),
+            spec.destination,
+            stored,
+        )
 
     def _mark_failed(self, outgoing: _Outgoing, error: object) -> None:
         outgoing.failed = True
         self.failures += 1
-        logger.warning("kvstore: handoff %r of request %s failed, the decode instance will recompute: %s",
-                       outgoing.spec.transfer_id, outgoing.spec.req_id, error)
+        logger.warning(
+            "kvstore: handoff %r of request %s failed, the decode instance will recompute: %s",
+            outgoing.spec.transfer_id,
+            outgoing.spec.req_id,
+            error,
+        )
 
     def _cancel(self, outgoing: _Outgoing) -> None:
         try:
@@ -156,8 +167,9 @@ class HandoffSender:
 
 
 class HandoffReceiver:
-    def __init__(self, socket_path: str, namespace: Namespace, copier: LayerCopier, caches: Sequence[torch.Tensor],
-                 timeout_s: float) -> None:
+    def __init__(
+        self, socket_path: str, namespace: Namespace, copier: LayerCopier, caches: Sequence[torch.Tensor], timeout_s: float
+    ) -> None:
         self._tp_rank = namespace.tp_rank
         self._socket_path = socket_path
         self._namespace = namespace
@@ -220,8 +232,13 @@ class HandoffReceiver:
 
     def _failed(self, spec: LoadSpec, block_ids: Sequence[int], why: object) -> set[int]:
         self.failures += 1
-        logger.warning("kvstore: handoff %r of request %s: %d blocks not received (%s); vLLM recomputes them",
-                       spec.transfer_id, spec.req_id, len(block_ids), why)
+        logger.warning(
+            "kvstore: handoff %r of request %s: %d blocks not received (%s); vLLM recomputes them",
+            spec.transfer_id,
+            spec.req_id,
+            len(block_ids),
+            why,
+        )
         return set(block_ids)
 
     def _connect(self) -> KVStoreClient:

@@ -25,9 +25,10 @@ injected.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -49,8 +50,16 @@ class BlockOrder:
         self._strided = _affine_planes(gather, planes_shape)
 
     @classmethod
-    def discover(cls, write: CacheWriter, block_shape: tuple[int, ...], dtype: torch.dtype,
-                 num_kv_heads: int, block_size: int, head_dim: int, what: str) -> "BlockOrder":
+    def discover(
+        cls,
+        write: CacheWriter,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        num_kv_heads: int,
+        block_size: int,
+        head_dim: int,
+        what: str,
+    ) -> BlockOrder:
         """Learn the order from ``write`` into blocks of ``block_shape``; ``what`` names
         the layer in errors."""
         count = 2 * num_kv_heads * block_size * head_dim
@@ -69,13 +78,17 @@ class BlockOrder:
             write(digits[0].to(dtype).contiguous(), digits[1].to(dtype).contiguous(), scratch)
             written = scratch.view(-1).float()
             if bool((written < 0).any()) or bool((written >= _DIGIT_BASE).any()):
-                raise InvalidArgument(f"{what}: the engine's cache kernel does not store K and V as plain elements; "
-                                      "the kvstore connector cannot read this cache layout.")
+                raise InvalidArgument(
+                    f"{what}: the engine's cache kernel does not store K and V as plain elements; "
+                    "the kvstore connector cannot read this cache layout."
+                )
             native_position += written.long() * place
             place *= _DIGIT_BASE
         if not torch.equal(torch.bincount(native_position, minlength=count), torch.ones(count, dtype=torch.long)):
-            raise InvalidArgument(f"{what}: the engine's cache kernel does not store each K and V element once per block; "
-                                  "the kvstore connector cannot read this cache layout.")
+            raise InvalidArgument(
+                f"{what}: the engine's cache kernel does not store each K and V element once per block; "
+                "the kvstore connector cannot read this cache layout."
+            )
         gather = torch.empty(count, dtype=torch.long)
         gather[native_position] = torch.arange(count)
         return cls(gather, (num_kv_heads, block_size, head_dim))
@@ -102,8 +115,7 @@ class BlockOrder:
 
     def _plane_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         shape = (flat.shape[0], *self._planes_shape)
-        return [flat.as_strided(shape, (flat.stride(0), *strides), flat.storage_offset() + offset)
-                for strides, offset in self._strided]
+        return [flat.as_strided(shape, (flat.stride(0), *strides), flat.storage_offset() + offset) for strides, offset in self._strided]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +132,7 @@ def runs_of(block_ids: Sequence[int], slots: Sequence[torch.Tensor], block_bytes
     runs: list[BlockRun] = []
     start = 0
     for k in range(1, len(block_ids) + 1):
-        if (k == len(block_ids) or block_ids[k] != block_ids[k - 1] + 1
-                or slots[k].data_ptr() != slots[k - 1].data_ptr() + block_bytes):
+        if k == len(block_ids) or block_ids[k] != block_ids[k - 1] + 1 or slots[k].data_ptr() != slots[k - 1].data_ptr() + block_bytes:
             runs.append(BlockRun(block_ids[start], slots[start], k - start))
             start = k
     return runs
@@ -162,8 +173,7 @@ def _affine_planes(gather: torch.Tensor, shape: tuple[int, int, int]) -> list[tu
     found = []
     for plane in planes:
         offset = int(plane[0, 0, 0])
-        strides = tuple(int(plane[tuple(1 if axis == a else 0 for a in range(3))]) - offset if shape[axis] > 1 else 0
-                        for axis in range(3))
+        strides = tuple(int(plane[tuple(1 if axis == a else 0 for a in range(3))]) - offset if shape[axis] > 1 else 0 for axis in range(3))
         grid = torch.meshgrid(*(torch.arange(n) for n in shape), indexing="ij")
         predicted = offset + sum(g * s for g, s in zip(grid, strides))
         if not torch.equal(predicted, plane) or any(s < 0 for s in strides):

@@ -12,8 +12,9 @@ Metadata crosses vLLM's own scheduler→worker channel, so it holds only plain v
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from kvstore.connectors.vllm_compat import STORE_INNER_ORDER, EngineGeometry, KVConnectorMetadata
 from kvstore.errors import InvalidArgument
@@ -49,7 +50,7 @@ class ConnectorSettings:
     handoff_destination: str = ""  # PD producer: the decode daemon, unless a request names one
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any]) -> "ConnectorSettings":
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
         known = {"socket_path", "tenant_salt", "model_id", "handoff_timeout_s", "handoff_destination"}
         unknown = sorted(set(extra) - known)
         if unknown:

@@ -88,8 +88,7 @@ class SchedulerSide:
         self._role = role
         self._client = KVStoreClient(settings.socket_path)
         self._digests = [
-            self._client.register_namespace(namespace_for(geometry, rank, settings.tenant_salt))
-            for rank in range(geometry.tp_size)
+            self._client.register_namespace(namespace_for(geometry, rank, settings.tenant_salt)) for rank in range(geometry.tp_size)
         ]
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadSpec] = []
@@ -137,8 +136,14 @@ class SchedulerSide:
             self._loads.append(LoadSpec(request.request_id, hashes, targets))
             source = "kvstore"
         self.counters.external_hit_tokens += num_external_tokens
-        logger.info("kvstore: request %s loads %d tokens (%d blocks) from %s after a local hit of %d tokens",
-                    request.request_id, num_external_tokens, stop - first, source, first * self._block_size)
+        logger.info(
+            "kvstore: request %s loads %d tokens (%d blocks) from %s after a local hit of %d tokens",
+            request.request_id,
+            num_external_tokens,
+            stop - first,
+            source,
+            first * self._block_size,
+        )
 
     # -- per step --------------------------------------------------------------------------
     def build_metadata(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
@@ -163,8 +168,12 @@ class SchedulerSide:
         state = self._requests.pop(request.request_id, None)
         if state is None or state.handoff is None:
             return None
-        return {"do_remote_prefill": True, TRANSFER_ID: state.handoff.transfer_id,
-                DESTINATION: state.handoff.destination, "kvstore_num_blocks": len(state.handoff.hashes)}
+        return {
+            "do_remote_prefill": True,
+            TRANSFER_ID: state.handoff.transfer_id,
+            DESTINATION: state.handoff.destination,
+            "kvstore_num_blocks": len(state.handoff.hashes),
+        }
 
     def close(self) -> None:
         self._client.close()
@@ -179,8 +188,12 @@ class SchedulerSide:
 
     def _receives_handoff(self, state: _Request) -> bool:
         params = state.params or {}
-        return (self._role == "kv_consumer" and bool(params.get("do_remote_prefill")) and bool(params.get(TRANSFER_ID))
-                and not state.handoff_tried)
+        return (
+            self._role == "kv_consumer"
+            and bool(params.get("do_remote_prefill"))
+            and bool(params.get(TRANSFER_ID))
+            and not state.handoff_tried
+        )
 
     def _loadable_prefix(self, hashes: list[BlockHash]) -> tuple[TierKind, ...]:
         """Tiers of the blocks of ``hashes`` that every rank can load, from the first
@@ -237,12 +250,15 @@ class SchedulerSide:
         destination = params.get(DESTINATION) or self._settings.handoff_destination
         num_full = min(len(state.prompt) // self._block_size, len(state.block_ids))
         if not destination or not num_full:
-            logger.warning("kvstore: request %s asks for a remote decode but %s; the decode instance will recompute it",
-                           scheduled.req_id, "names no destination (kvstore_destination or handoff_destination)"
-                           if not destination else "has no full block")
+            logger.warning(
+                "kvstore: request %s asks for a remote decode but %s; the decode instance will recompute it",
+                scheduled.req_id,
+                "names no destination (kvstore_destination or handoff_destination)" if not destination else "has no full block",
+            )
             return None
         transfer_id = params.get(TRANSFER_ID) or f"kvstore-{scheduled.req_id}-{uuid.uuid4().hex[:12]}"
-        state.handoff = HandoffSpec(scheduled.req_id, str(transfer_id), str(destination),
-                                    tuple(state.hashes[:num_full]), tuple(state.block_ids[:num_full]))
+        state.handoff = HandoffSpec(
+            scheduled.req_id, str(transfer_id), str(destination), tuple(state.hashes[:num_full]), tuple(state.block_ids[:num_full])
+        )
         self.counters.handoffs_sent += 1
         return state.handoff

@@ -25,8 +25,9 @@ queued here and touches nothing else.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -101,16 +102,24 @@ class WorkerSide:
         self._client = KVStoreClient(self._settings.socket_path)
         self._digest = self._client.register_namespace(namespace)
         geometry = self._geometry
-        orders = [BlockOrder.discover(cache_writer(self._vllm_config, name), tuple(cache.shape[1:]), cache.dtype,
-                                      geometry.num_kv_heads, geometry.block_size, geometry.head_dim, f"KV cache layer {name}")
-                  for name, cache in ordered]
+        orders = [
+            BlockOrder.discover(
+                cache_writer(self._vllm_config, name),
+                tuple(cache.shape[1:]),
+                cache.dtype,
+                geometry.num_kv_heads,
+                geometry.block_size,
+                geometry.head_dim,
+                f"KV cache layer {name}",
+            )
+            for name, cache in ordered
+        ]
         self._copier = LayerCopier(namespace.layout, self._caches[0].dtype, orders)
         self._block_bytes = namespace.layout.block_bytes
         timeout = self._settings.handoff_timeout_s
         self._sender = HandoffSender(self._client, self._digest, self._copier, self._copies, timeout, namespace.tp_rank)
         self._receiver = HandoffReceiver(self._settings.socket_path, namespace, self._copier, self._caches, timeout)
-        logger.info("kvstore: worker registered %d layers, namespace %s, daemon node %s",
-                    len(ordered), namespace.id, self._client.node_id)
+        logger.info("kvstore: worker registered %d layers, namespace %s, daemon node %s", len(ordered), namespace.id, self._client.node_id)
 
     # -- loading ---------------------------------------------------------------------------
     def start_load(self, metadata: KVStoreConnectorMetadata) -> None:
@@ -123,15 +132,16 @@ class WorkerSide:
             self._leases.append(lease)
             loaded = lease.num_blocks
             if loaded < len(spec.hashes):
-                self._fail_blocks(spec.block_ids[loaded:], f"request {spec.req_id}: {len(spec.hashes) - loaded} of "
-                                  f"{len(spec.hashes)} blocks are no longer loadable")
+                self._fail_blocks(
+                    spec.block_ids[loaded:],
+                    f"request {spec.req_id}: {len(spec.hashes) - loaded} of {len(spec.hashes)} blocks are no longer loadable",
+                )
             if loaded:
                 runs += runs_of(spec.block_ids[:loaded], lease.views, self._block_bytes)
                 self._loading_block_ids.extend(spec.block_ids[:loaded])
                 self.counters.loaded_blocks += loaded
         if runs:
-            self._layer_loads = [self._copies.submit(self._copier.load, cache, layer, runs)
-                                 for layer, cache in enumerate(self._caches)]
+            self._layer_loads = [self._copies.submit(self._copier.load, cache, layer, runs) for layer, cache in enumerate(self._caches)]
 
     def wait_for_layer(self, layer_name: str) -> None:
         if self._layer_loads:
@@ -161,8 +171,11 @@ class WorkerSide:
             return
         if self._saves is None:
             self._saves = [(spec, pending) for spec in metadata.saves if (pending := self._reserve(spec)) is not None]
-            self._save_runs = [run for spec, pending in self._saves
-                               for run in runs_of([spec.block_ids[i] for i in pending.indices], pending.views, self._block_bytes)]
+            self._save_runs = [
+                run
+                for spec, pending in self._saves
+                for run in runs_of([spec.block_ids[i] for i in pending.indices], pending.views, self._block_bytes)
+            ]
         self._saved_layers.add(layer)
         if self._save_runs:
             self._layer_saves.append(self._copies.submit(self._copier.save, self._caches[layer], layer, self._save_runs))
@@ -238,7 +251,8 @@ class WorkerSide:
             else:
                 self._client.abort(pending)
                 self.counters.aborted_saves += 1
-                logger.warning("kvstore: not saving %d blocks of request %s: this step's KV is not trusted",
-                               len(pending.indices), spec.req_id)
+                logger.warning(
+                    "kvstore: not saving %d blocks of request %s: this step's KV is not trusted", len(pending.indices), spec.req_id
+                )
         except KVStoreError as exc:
             logger.warning("kvstore: saving %d blocks of request %s failed: %s", len(pending.indices), spec.req_id, exc)

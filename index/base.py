@@ -20,8 +20,8 @@ the Redis backend does network I/O. Implementations translate their own errors i
 from __future__ import annotations
 
 import abc
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Collection, Sequence
 
 from kvstore.events import BlockEvent
 from kvstore.hashing import BlockHash
@@ -79,9 +79,7 @@ class Index(abc.ABC):
         """Apply a batch of the node's block events, in order."""
 
     @abc.abstractmethod
-    async def match(
-        self, namespace: bytes, hashes: Sequence[BlockHash], node_ids: Collection[str] | None = None
-    ) -> list[NodeMatch]:
+    async def match(self, namespace: bytes, hashes: Sequence[BlockHash], node_ids: Collection[str] | None = None) -> list[NodeMatch]:
         """For each live node (of ``node_ids``, when given) holding at least the first
         block: the longest prefix of ``hashes`` it holds. Best match first."""
 
@@ -89,7 +87,7 @@ class Index(abc.ABC):
     async def nodes(self) -> list[NodeInfo]:
         """The nodes whose lease is current."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 (optional: the embedded index holds nothing)
         """Release connections; the default holds none."""
 
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Callable, Collection, Sequence
 
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.events import BlockEvent
@@ -80,9 +80,7 @@ class EmbeddedIndex(Index):
             raise NotFound(f"node {node_id!r} holds no current lease in the index; register it and re-publish its whole catalogue.")
         self.locations.apply(node_id, events)
 
-    async def match(
-        self, namespace: bytes, hashes: Sequence[BlockHash], node_ids: Collection[str] | None = None
-    ) -> list[NodeMatch]:
+    async def match(self, namespace: bytes, hashes: Sequence[BlockHash], node_ids: Collection[str] | None = None) -> list[NodeMatch]:
         self._expire()
         return self.locations.match(namespace, hashes, node_ids)
 

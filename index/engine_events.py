@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import msgpack
 
@@ -58,7 +58,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-EngineHash = Union[int, bytes]
+EngineHash = int | bytes
 _MAX_ENGINE_HASH_BYTES = 64
 _GPU_MEDIA = (None, "GPU", "gpu")  # None: a vLLM older than the medium field
 # groups whose blocks hold every token of the prefix; a sliding-window or Mamba group's
@@ -92,7 +92,7 @@ class EngineAllBlocksCleared:
     pass
 
 
-EngineEvent = Union[EngineBlockStored, EngineBlockRemoved, EngineAllBlocksCleared]
+EngineEvent = EngineBlockStored | EngineBlockRemoved | EngineAllBlocksCleared
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +106,21 @@ class EngineEventBatch:
 
 # field names in declaration order (= array position after the tag), and how many are required
 _LAYOUTS: dict[str, tuple[tuple[str, ...], int]] = {
-    "BlockStored": (("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"), 4),
+    "BlockStored": (
+        (
+            "block_hashes",
+            "parent_block_hash",
+            "token_ids",
+            "block_size",
+            "lora_id",
+            "medium",
+            "lora_name",
+            "extra_keys",
+            "group_idx",
+            "kv_cache_spec_kind",
+        ),
+        4,
+    ),
     "BlockRemoved": (("block_hashes", "medium", "group_idx"), 1),
     "AllBlocksCleared": ((), 0),
 }
@@ -127,7 +141,10 @@ def _optional(value: Any, kind: type, name: str) -> Any:
 
 
 def _engine_hash(value: Any) -> EngineHash:
-    _check(_is_int(value) or (isinstance(value, bytes) and 0 < len(value) <= _MAX_ENGINE_HASH_BYTES), "a block hash is neither an int nor bytes")
+    _check(
+        _is_int(value) or (isinstance(value, bytes) and 0 < len(value) <= _MAX_ENGINE_HASH_BYTES),
+        "a block hash is neither an int nor bytes",
+    )
     return value
 
 
@@ -163,7 +180,10 @@ def _decode_event(raw: Any) -> EngineEvent | None:
     token_ids, block_size, extra_keys = fields["token_ids"], fields["block_size"], fields["extra_keys"]
     _check(isinstance(token_ids, list), "token_ids is not a list")
     _check(_is_int(block_size) and block_size > 0, "block_size is not a positive int")
-    _check(extra_keys is None or (isinstance(extra_keys, list) and len(extra_keys) == len(hashes)), "extra_keys does not name one entry per block")
+    _check(
+        extra_keys is None or (isinstance(extra_keys, list) and len(extra_keys) == len(hashes)),
+        "extra_keys does not name one entry per block",
+    )
     return EngineBlockStored(
         hashes,
         None if parent is None else _engine_hash(parent),
@@ -288,7 +308,9 @@ class EngineEventTranslator:
                 logger.warning(
                     "the engine's KV events use %d-token blocks but namespace %s has %d: its blocks are not indexed; "
                     "give the subscriber the namespace the engine actually serves.",
-                    event.block_size, self.namespace.id, self.namespace.block_size,
+                    event.block_size,
+                    self.namespace.id,
+                    self.namespace.block_size,
                 )
             return None
         if len(event.token_ids) != num_blocks * event.block_size:

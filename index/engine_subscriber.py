@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import zmq
 import zmq.asyncio
@@ -45,7 +45,9 @@ class EngineSubscription:
         if not self.endpoint or not self.engine_node_id:
             raise InvalidArgument("an engine subscription needs the engine's KV events endpoint and a node id.")
         if self.lease_ttl_s <= 0 or not 0 < self.heartbeat_interval_s < self.lease_ttl_s:
-            raise InvalidArgument(f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be positive and shorter than lease_ttl_s ({self.lease_ttl_s}).")
+            raise InvalidArgument(
+                f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be positive and shorter than lease_ttl_s ({self.lease_ttl_s})."
+            )
         if self.replay_timeout_s <= 0 or self.max_message_bytes <= 0 or self.max_mapped_blocks <= 0 or self.max_batch_events <= 0:
             raise InvalidArgument("replay_timeout_s, max_message_bytes, max_mapped_blocks and max_batch_events must be positive.")
 
@@ -147,7 +149,9 @@ class EngineEventSubscriber:
         if self._next_seq is not None and seq > self._next_seq:
             self.num_gaps += 1
             self.num_batches_lost += seq - self._next_seq
-            logger.warning("lost %d KV event batches of engine %s; blocks chained to them stay unindexed", seq - self._next_seq, self.node.node_id)
+            logger.warning(
+                "lost %d KV event batches of engine %s; blocks chained to them stay unindexed", seq - self._next_seq, self.node.node_id
+            )
         await self._apply(seq, frames[2])
 
     async def _apply(self, seq: int, payload: bytes) -> None:
@@ -180,7 +184,9 @@ class EngineEventSubscriber:
                     self.num_batches_replayed += 1
             logger.warning("engine %s stopped replaying KV event batches (from %d) before their end", self.node.node_id, start)
         except zmq.ZMQError as exc:
-            logger.warning("could not replay KV event batches of engine %s from %s: %s", self.node.node_id, self.subscription.replay_endpoint, exc)
+            logger.warning(
+                "could not replay KV event batches of engine %s from %s: %s", self.node.node_id, self.subscription.replay_endpoint, exc
+            )
         finally:
             dealer.close(linger=0)
 

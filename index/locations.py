@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 import operator
 import random
-from typing import Collection, Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 

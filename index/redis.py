@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Collection, Iterator, Sequence
 
 import msgpack
 import redis.asyncio as aioredis
@@ -142,7 +142,7 @@ class RedisIndex(Index):
         self._lease_prefix, self._spaces_key = f"{registry}:lease:", f"{registry}:spaces"
 
     @classmethod
-    def from_url(cls, url: str) -> "RedisIndex":
+    def from_url(cls, url: str) -> RedisIndex:
         return cls(url)
 
     @property
@@ -217,9 +217,7 @@ class RedisIndex(Index):
                 "and re-publish the catalogue."
             )
 
-    async def match(
-        self, namespace: bytes, hashes: Sequence[BlockHash], node_ids: Collection[str] | None = None
-    ) -> list[NodeMatch]:
+    async def match(self, namespace: bytes, hashes: Sequence[BlockHash], node_ids: Collection[str] | None = None) -> list[NodeMatch]:
         _check_namespace(namespace)
         if len(hashes) > MAX_CHAIN_BLOCKS:
             raise InvalidArgument(f"a chain holds at most {MAX_CHAIN_BLOCKS} blocks, got {len(hashes)}.")
@@ -315,7 +313,7 @@ class RedisSessionStore(SessionStore):
         self._moves_key = f"{key_prefix}:moves"
 
     @classmethod
-    def from_url(cls, url: str) -> "RedisSessionStore":
+    def from_url(cls, url: str) -> RedisSessionStore:
         return cls(url)
 
     async def get(self, session_id: str) -> SessionAffinity | None:

@@ -31,7 +31,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster

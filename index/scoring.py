@@ -30,8 +30,8 @@ costs go to the smaller node id, so a decision never depends on input order.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import xxhash
 

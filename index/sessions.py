@@ -20,8 +20,8 @@ import heapq
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kvstore.errors import InvalidArgument
 from kvstore.index.base import SessionAffinity, SessionStore

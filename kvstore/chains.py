@@ -16,8 +16,8 @@ Both stop at a byte budget and return chains in the order they should be sent.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 from kvstore.hashing import BlockHash
 from kvstore.namespace import Namespace
@@ -121,6 +121,10 @@ def shared_prefixes(blocks: Iterable[BlockInfo], max_bytes: int = 0) -> list[Cha
     shared = [forest.by_key[k] for k, n in num_leaves.items() if n >= 2]
     shared_keys = {(b.namespace, b.block_hash) for b in shared}
     # the deepest shared block of each branch: none of its children is shared
-    ends = [b for b in shared if not any((c.namespace, c.block_hash) in shared_keys for c in forest.children.get((b.namespace, b.block_hash), ()))]
+    ends = [
+        b
+        for b in shared
+        if not any((c.namespace, c.block_hash) in shared_keys for c in forest.children.get((b.namespace, b.block_hash), ()))
+    ]
     ends.sort(key=lambda b: b.last_access, reverse=True)
     return _take(forest, ends, max_bytes)

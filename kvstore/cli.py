@@ -14,11 +14,13 @@ Output is a human-readable table, or one JSON document with ``--json``. Exit cod
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 
@@ -99,7 +101,9 @@ def _namespace_id(value: str | None) -> bytes:
     try:
         raw = bytes.fromhex(value)
     except ValueError:
-        raise click.BadParameter(f"{value!r} is not hex; namespace ids are 32 hex digits as `kvstore ls` prints them.", param_hint="--namespace") from None
+        raise click.BadParameter(
+            f"{value!r} is not hex; namespace ids are 32 hex digits as `kvstore ls` prints them.", param_hint="--namespace"
+        ) from None
     if len(raw) != 16:
         raise click.BadParameter("namespace ids are 32 hex digits.", param_hint="--namespace")
     return raw
@@ -135,7 +139,9 @@ def _size(nbytes: int) -> str:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--address", envvar="KVSTORE_ADDRESS", help="gRPC address of the daemon (host:port).")
-@click.option("--socket", "socket_path", envvar="KVSTORE_SERVER_SOCKET_PATH", help="the daemon's Unix socket; its state file gives the address.")
+@click.option(
+    "--socket", "socket_path", envvar="KVSTORE_SERVER_SOCKET_PATH", help="the daemon's Unix socket; its state file gives the address."
+)
 @click.option("--token", envvar="KVSTORE_TOKEN", help="bearer token, when the daemon requires one.")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON document instead of a table.")
 @click.pass_context
@@ -145,7 +151,9 @@ def main(ctx: click.Context, address: str | None, socket_path: str | None, token
 
 
 @main.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), envvar="KVSTORE_CONFIG", help="TOML configuration file.")
+@click.option(
+    "--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), envvar="KVSTORE_CONFIG", help="TOML configuration file."
+)
 @click.option("--set", "settings", multiple=True, metavar="SECTION.FIELD=VALUE", help="override one setting (repeatable).")
 def serve(config_path: Path | None, settings: tuple[str, ...]) -> None:
     """Run the daemon on this host (until SIGTERM)."""
@@ -182,7 +190,13 @@ def _stats_document(client) -> dict:
         "node_id": response.node_id,
         "uptime_s": round(response.uptime_s, 3),
         "tiers": [
-            {"tier": _tier_name(t.tier), "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes, "blocks": t.num_blocks, "occupancy": round(t.occupancy, 4)}
+            {
+                "tier": _tier_name(t.tier),
+                "capacity_bytes": t.capacity_bytes,
+                "used_bytes": t.used_bytes,
+                "blocks": t.num_blocks,
+                "occupancy": round(t.occupancy, 4),
+            }
             for t in response.tiers
         ],
         "failed_tiers": [_tier_name(t) for t in response.failed_tiers],
@@ -196,7 +210,9 @@ def _stats_document(client) -> dict:
 
 
 def _print_stats(document: dict) -> None:
-    click.echo(f"node {document['node_id']}  up {document['uptime_s']:.0f} s  {document['blocks']} blocks in {document['namespaces']} namespaces")
+    click.echo(
+        f"node {document['node_id']}  up {document['uptime_s']:.0f} s  {document['blocks']} blocks in {document['namespaces']} namespaces"
+    )
     _table(
         ["tier", "used", "capacity", "occupancy", "blocks"],
         [[t["tier"], _size(t["used_bytes"]), _size(t["capacity_bytes"]), f"{t['occupancy']:.1%}", t["blocks"]] for t in document["tiers"]],
@@ -256,7 +272,13 @@ def _print_fleet(document: dict) -> None:
     _table(
         ["node", "address", "hit rate", "hit tokens", "missed tokens"],
         [
-            [n["node_id"], n["address"], "unreachable" if "error" in n else ("-" if n["hit_rate"] is None else f"{n['hit_rate']:.1%}"), n.get("hit_tokens", ""), n.get("missed_tokens", "")]
+            [
+                n["node_id"],
+                n["address"],
+                "unreachable" if "error" in n else ("-" if n["hit_rate"] is None else f"{n['hit_rate']:.1%}"),
+                n.get("hit_tokens", ""),
+                n.get("missed_tokens", ""),
+            ]
             for n in document["nodes"]
         ],
     )
@@ -279,10 +301,10 @@ def stats(ctx: Context, watch: float | None, fleet: bool) -> None:
         while True:
             if fleet:
                 document = _fleet_document(ctx, client)
-                ctx.emit(document, lambda: _print_fleet(document))
+                ctx.emit(document, functools.partial(_print_fleet, document))
             else:
                 document = _stats_document(client)
-                ctx.emit(document, lambda: _print_stats(document))
+                ctx.emit(document, functools.partial(_print_stats, document))
             if watch is None:
                 return
             try:
@@ -320,7 +342,13 @@ def list_blocks(ctx: Context, namespace: str | None, tier: str | None, min_idle:
     document = {"blocks": blocks, "total": response.total, "next_page_token": response.next_page_token}
 
     def human() -> None:
-        _table(["namespace", "hash", "tier", "size", "idle s", "pinned"], [[b["namespace"][:12], b["hash"], b["tier"], _size(b["nbytes"]), f"{b['idle_s']:.1f}", "yes" if b["pinned"] else ""] for b in blocks])
+        _table(
+            ["namespace", "hash", "tier", "size", "idle s", "pinned"],
+            [
+                [b["namespace"][:12], b["hash"], b["tier"], _size(b["nbytes"]), f"{b['idle_s']:.1f}", "yes" if b["pinned"] else ""]
+                for b in blocks
+            ],
+        )
         more = f"; next page: --page-token {response.next_page_token}" if response.next_page_token else ""
         click.echo(f"{len(blocks)} of {response.total} blocks{more}")
 
@@ -332,7 +360,9 @@ def _read_tokens(path: Path) -> list[int]:
     try:
         values = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in text.replace(",", " ").split()]
     except ValueError as exc:
-        raise click.BadParameter(f"{path} must hold token ids: a JSON list or whitespace-separated integers ({exc}).", param_hint="--tokens") from None
+        raise click.BadParameter(
+            f"{path} must hold token ids: a JSON list or whitespace-separated integers ({exc}).", param_hint="--tokens"
+        ) from None
     if not all(isinstance(v, int) for v in values):
         raise click.BadParameter(f"{path} must hold integer token ids only.", param_hint="--tokens")
     return values
@@ -340,7 +370,12 @@ def _read_tokens(path: Path) -> list[int]:
 
 @main.command()
 @click.option("--namespace", required=True, help="namespace id (32 hex digits).")
-@click.option("--tokens", "tokens_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="file of token ids (JSON list or whitespace-separated).")
+@click.option(
+    "--tokens",
+    "tokens_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="file of token ids (JSON list or whitespace-separated).",
+)
 @click.argument("hashes", nargs=-1)
 @click.pass_obj
 @_guarded
@@ -362,7 +397,13 @@ def lookup(ctx: Context, namespace: str, tokens_file: Path | None, hashes: tuple
         "matched_tokens": response.matched_tokens,
         "tiers": {_tier_name(c.tier): c.blocks for c in response.tier_counts},
     }
-    ctx.emit(document, lambda: click.echo(f"{response.matched_blocks} blocks ({response.matched_tokens} tokens) cached: " + ", ".join(f"{k} {v}" for k, v in document["tiers"].items())))
+    ctx.emit(
+        document,
+        lambda: click.echo(
+            f"{response.matched_blocks} blocks ({response.matched_tokens} tokens) cached: "
+            + ", ".join(f"{k} {v}" for k, v in document["tiers"].items())
+        ),
+    )
 
 
 @main.command()
@@ -391,7 +432,9 @@ def evict(ctx: Context, namespace: str | None, tier: str | None, min_idle: float
 
 
 def _pin_command(name: str, rpc: str, verb: str):
-    @main.command(name=name, help=f"{name.capitalize()} blocks (by hash) so that eviction {'skips them' if name == 'pin' else 'may take them again'}.")
+    @main.command(
+        name=name, help=f"{name.capitalize()} blocks (by hash) so that eviction {'skips them' if name == 'pin' else 'may take them again'}."
+    )
     @click.option("--namespace", required=True, help="namespace id (32 hex digits).")
     @click.argument("hashes", nargs=-1, required=True)
     @click.pass_obj
@@ -401,7 +444,9 @@ def _pin_command(name: str, rpc: str, verb: str):
 
         request_type = pb.PinRequest if name == "pin" else pb.UnpinRequest
         with ctx.client() as client:
-            response = getattr(client.admin, rpc)(request_type(namespace_id=_namespace_id(namespace), block_hashes=_hex_list(hashes, "HASHES")))
+            response = getattr(client.admin, rpc)(
+                request_type(namespace_id=_namespace_id(namespace), block_hashes=_hex_list(hashes, "HASHES"))
+            )
         ctx.emit({verb: response.count}, lambda: click.echo(f"{verb} {response.count} of {len(hashes)} blocks"))
 
     return command

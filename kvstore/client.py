@@ -29,14 +29,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import msgpack
 import torch
 
-from kvstore.paths import default_socket_path
 from kvstore.errors import InvalidArgument, TierUnavailable
 from kvstore.hashing import BlockHash
 from kvstore.localproto import (
@@ -51,6 +50,7 @@ from kvstore.localproto import (
     unpack_hashes,
 )
 from kvstore.namespace import Namespace
+from kvstore.paths import default_socket_path
 from kvstore.tiers.base import TierKind, byte_view, copy_bytes
 from kvstore.tiers.host import SharedSlab
 from kvstore.tiers.slab import Slot
@@ -144,7 +144,9 @@ class _Codec:
         try:
             return self.block_bytes[digest]
         except KeyError:
-            raise InvalidArgument(f"namespace {digest.hex()} was not registered through this client; call register_namespace first.") from None
+            raise InvalidArgument(
+                f"namespace {digest.hex()} was not registered through this client; call register_namespace first."
+            ) from None
 
     def checked_blocks(self, digest: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if len(blocks) != len(hashes):
@@ -195,7 +197,9 @@ class KVStoreClient:
             self._sock.connect(path)
         except OSError as exc:
             self._sock.close()
-            raise TierUnavailable(f"cannot reach the kvstore daemon at {path} ({exc.strerror or exc}); is `kvstore serve` running?") from exc
+            raise TierUnavailable(
+                f"cannot reach the kvstore daemon at {path} ({exc.strerror or exc}); is `kvstore serve` running?"
+            ) from exc
         self._codec = _Codec()
         self._codec.on_hello(self._call(Op.HELLO, PROTOCOL_VERSION))
 
@@ -210,7 +214,9 @@ class KVStoreClient:
         codes = self._call(Op.LOOKUP, namespace, pack_hashes(hashes))
         return LookupResult(tuple(map(TIERS_BY_CODE.__getitem__, codes)), self._codec.block_size.get(namespace, 0))
 
-    def save(self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor], parent_hash: BlockHash | None = None) -> int:
+    def save(
+        self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor], parent_hash: BlockHash | None = None
+    ) -> int:
         """Store the blocks not cached yet; returns how many were stored."""
         views = self._codec.checked_blocks(namespace, hashes, blocks)
         reservation_id, placements = self._call(Op.RESERVE, namespace, pack_hashes(hashes), parent_hash)
@@ -310,7 +316,7 @@ class KVStoreClient:
         views: list[torch.Tensor] = []
         try:
             while len(views) < len(hashes):
-                lease_id, offsets = self._call(Op.ACQUIRE, namespace, pack_hashes(hashes[len(views):]))
+                lease_id, offsets = self._call(Op.ACQUIRE, namespace, pack_hashes(hashes[len(views) :]))
                 lease_ids.append(lease_id)
                 if not offsets:
                     break
@@ -328,7 +334,9 @@ class KVStoreClient:
     # -- slab access in place: for connectors whose engine memory is strided (SGLang's
     # host pool, LMCache's chunks), so bytes move in one strided copy, not two ------------
     @contextlib.contextmanager
-    def writing(self, namespace: bytes, hashes: Sequence[BlockHash], parent_hash: BlockHash | None = None) -> Iterator[list[tuple[int, torch.Tensor]]]:
+    def writing(
+        self, namespace: bytes, hashes: Sequence[BlockHash], parent_hash: BlockHash | None = None
+    ) -> Iterator[list[tuple[int, torch.Tensor]]]:
         """Reserve slots for the blocks of ``hashes`` not cached yet and yield ``(index in
         hashes, slab bytes)`` for each; the caller fills them. Committed when the ``with``
         body finishes, aborted when it raises, so a half-written block is never visible."""
@@ -355,7 +363,7 @@ class KVStoreClient:
         self._codec.close()
         self._sock.close()
 
-    def __enter__(self) -> "KVStoreClient":
+    def __enter__(self) -> KVStoreClient:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -389,12 +397,14 @@ class AsyncKVStoreClient:
         self._lock = asyncio.Lock()
 
     @classmethod
-    async def connect(cls, socket_path: Path | str | None = None) -> "AsyncKVStoreClient":
+    async def connect(cls, socket_path: Path | str | None = None) -> AsyncKVStoreClient:
         path = str(socket_path or default_socket_path())
         try:
             reader, writer = await asyncio.open_unix_connection(path)
         except OSError as exc:
-            raise TierUnavailable(f"cannot reach the kvstore daemon at {path} ({exc.strerror or exc}); is `kvstore serve` running?") from exc
+            raise TierUnavailable(
+                f"cannot reach the kvstore daemon at {path} ({exc.strerror or exc}); is `kvstore serve` running?"
+            ) from exc
         client = cls(reader, writer)
         client._codec.on_hello(await client._call(Op.HELLO, PROTOCOL_VERSION))
         return client
@@ -406,7 +416,9 @@ class AsyncKVStoreClient:
         codes = await self._call(Op.LOOKUP, namespace, pack_hashes(hashes))
         return LookupResult(tuple(map(TIERS_BY_CODE.__getitem__, codes)), self._codec.block_size.get(namespace, 0))
 
-    async def save(self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor], parent_hash: BlockHash | None = None) -> int:
+    async def save(
+        self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor], parent_hash: BlockHash | None = None
+    ) -> int:
         views = self._codec.checked_blocks(namespace, hashes, blocks)
         reservation_id, placements = await self._call(Op.RESERVE, namespace, pack_hashes(hashes), parent_hash)
         try:

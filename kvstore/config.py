@@ -29,9 +29,10 @@ import re
 import shutil
 import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import xxhash
 
@@ -53,8 +54,22 @@ GiB = 1024**3
 MiB = 1024**2
 _PAGE = 64 * MiB
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
 
 
 class ConfigError(InvalidArgument):
@@ -102,7 +117,7 @@ class IndexConfig:
 
     def __post_init__(self) -> None:
         if self.backend != "embedded" and not self.backend.startswith(("redis://", "rediss://", "redis+cluster://")):
-            raise ConfigError(f"index.backend must be \"embedded\" or a redis://, rediss:// or redis+cluster:// URL, got {self.backend!r}.")
+            raise ConfigError(f'index.backend must be "embedded" or a redis://, rediss:// or redis+cluster:// URL, got {self.backend!r}.')
         if self.lease_ttl_s <= 0 or not 0 < self.heartbeat_interval_s < self.lease_ttl_s:
             raise ConfigError(
                 f"index.heartbeat_interval_s ({self.heartbeat_interval_s}) must be positive and shorter than "
@@ -128,7 +143,14 @@ class RoutingConfig:
     session_ttl_s: float = 1800.0
 
     def __post_init__(self) -> None:
-        for name in ("prefill_tokens_per_s", "attention_context_tokens", "host_bytes_per_s", "nvme_bytes_per_s", "remote_bytes_per_s", "session_ttl_s"):
+        for name in (
+            "prefill_tokens_per_s",
+            "attention_context_tokens",
+            "host_bytes_per_s",
+            "nvme_bytes_per_s",
+            "remote_bytes_per_s",
+            "session_ttl_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"routing.{name} must be positive, got {getattr(self, name)}.")
         for name in ("decode_s_per_request", "margin_s", "margin_ratio"):
@@ -154,7 +176,7 @@ def parse_size(value: Any, name: str) -> int:
         return value
     match = _SIZE.match(str(value))
     if not match:
-        raise ConfigError(f"{name} must be a size such as 8589934592 or \"8GiB\", got {value!r}.")
+        raise ConfigError(f'{name} must be a size such as 8589934592 or "8GiB", got {value!r}.')
     number, unit = match.groups()
     return int(float(number) * _UNITS[(unit or "").lower()])
 
@@ -255,7 +277,7 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     for key, value in environ.items():
         if not key.startswith("KVSTORE_") or key in ("KVSTORE_CONFIG", "KVSTORE_ADDRESS", "KVSTORE_TOKEN"):
             continue
-        section, _, name = key[len("KVSTORE_"):].lower().partition("_")
+        section, _, name = key[len("KVSTORE_") :].lower().partition("_")
         if section not in _SECTIONS:
             raise ConfigError(f"environment variable {key}: unknown section {section!r}; known: {', '.join(_SECTIONS)}.")
         found[section][name] = value

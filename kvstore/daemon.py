@@ -124,7 +124,13 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         "host_slab": slab_path,
     }
     state_path_for(socket_path).write_text(json.dumps(state))
-    logger.info("kvstore serving: socket %s, gRPC %s, transport %s, metrics %s", socket_path, state["grpc_address"], transport_address or "off", metrics_port)
+    logger.info(
+        "kvstore serving: socket %s, gRPC %s, transport %s, metrics %s",
+        socket_path,
+        state["grpc_address"],
+        transport_address or "off",
+        metrics_port,
+    )
     housekeeping = asyncio.create_task(_housekeeping(node, transfers, stop))
     if ready is not None:
         ready.set()

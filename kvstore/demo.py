@@ -114,9 +114,15 @@ def main() -> None:
         print("starting kvstore serve on embedded defaults …", flush=True)
         daemon = start_daemon(workdir)
         socket_path, state = daemon.socket_path, daemon.state
-        print(f"daemon {state['node_id']} (pid {state['pid']}): socket {socket_path}, gRPC {state['grpc_address']}, metrics :{state['metrics_port']}")
+        print(
+            f"daemon {state['node_id']} (pid {state['pid']}): socket {socket_path}, gRPC {state['grpc_address']}, "
+            f"metrics :{state['metrics_port']}"
+        )
         block_bytes = LAYOUT.block_bytes
-        print(f"\n{LAYOUT.block_bytes // 1024} KiB KV blocks of {LAYOUT.block_size} tokens; a writer engine saves each turn, a reader engine loads it\n")
+        print(
+            f"\n{LAYOUT.block_bytes // 1024} KiB KV blocks of {LAYOUT.block_size} tokens; "
+            "a writer engine saves each turn, a reader engine loads it\n"
+        )
         print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'hit':>5} {'host MiB':>9} {'nvme MiB':>9} {'load s':>7} {'saved s':>8}")
         total_tokens = total_hit = 0
         total_saved_s = 0.0
@@ -137,9 +143,7 @@ def main() -> None:
             f"\nthe reader found {total_hit / total_tokens:.0%} of its prompt tokens in kvstore and skipped "
             f"{total_saved_s:.1f} s of prefill at {args.prefill_tokens_per_s:,.0f} tokens/s (net of load time)"
         )
-        stats = subprocess.run(
-            [sys.executable, "-m", "kvstore", "--socket", str(socket_path), "stats"], capture_output=True, text=True
-        )
+        stats = subprocess.run([sys.executable, "-m", "kvstore", "--socket", str(socket_path), "stats"], capture_output=True, text=True)
         print("\n$ kvstore stats\n" + stats.stdout)
     finally:
         if daemon is not None:

@@ -81,7 +81,14 @@ async def drain(
     heir = max(report.blocks_by_peer, key=report.blocks_by_peer.__getitem__, default=None) or next(iter(room), None)
     if heir is not None:
         report.sessions_moved = await sessions.reassign(node.node_id, heir, "drain")
-    logger.info("drain: moved %d blocks (%d bytes) to %s; %d sessions to %s", report.moved_blocks, report.moved_bytes, report.blocks_by_peer, report.sessions_moved, heir)
+    logger.info(
+        "drain: moved %d blocks (%d bytes) to %s; %d sessions to %s",
+        report.moved_blocks,
+        report.moved_bytes,
+        report.blocks_by_peer,
+        report.sessions_moved,
+        heir,
+    )
     return report
 
 

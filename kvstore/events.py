@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import enum
 from dataclasses import dataclass
-from typing import Union
 
 from kvstore.hashing import BlockHash
 from kvstore.tiers.base import TierKind
@@ -64,7 +63,7 @@ class AllBlocksCleared:
     a node re-publishes its whole catalogue after the index lost track of it)."""
 
 
-BlockEvent = Union[BlockStored, BlockRemoved, BlockMoved, AllBlocksCleared]
+BlockEvent = BlockStored | BlockRemoved | BlockMoved | AllBlocksCleared
 
 
 class EventQueue:

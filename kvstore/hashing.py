@@ -16,7 +16,8 @@ bump the version in the seed.
 
 from __future__ import annotations
 
-from typing import NewType, Sequence
+from collections.abc import Sequence
+from typing import NewType
 
 import numpy as np
 import xxhash

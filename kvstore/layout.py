@@ -82,9 +82,7 @@ class KVLayout:
     def layers_slice(self, first: int, stop: int) -> tuple[int, int]:
         """(offset, length) of layers ``first`` … ``stop - 1`` inside a block."""
         if not 0 <= first < stop <= self.num_layers:
-            raise InvalidArgument(
-                f"layer range [{first}, {stop}) is outside the block's {self.num_layers} layers."
-            )
+            raise InvalidArgument(f"layer range [{first}, {stop}) is outside the block's {self.num_layers} layers.")
         return first * self.layer_bytes, (stop - first) * self.layer_bytes
 
     def plane_slice(self, layer: int, plane: int) -> tuple[int, int]:

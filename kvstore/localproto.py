@@ -25,7 +25,8 @@ import logging
 import operator
 import struct
 import time
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -81,7 +82,6 @@ TIER_CODES: dict[TierKind, int] = {kind: index for index, kind in enumerate(Tier
 TIERS_BY_CODE: list[TierKind] = list(TierKind)
 _CODE_BY_VALUE: dict[str, int] = {kind.value: code for kind, code in TIER_CODES.items()}
 _VALUE = operator.attrgetter("_value_")
-
 
 
 def encode_frame(body: Any) -> bytes:
@@ -263,7 +263,7 @@ class LocalServerProtocol(asyncio.Protocol):
     # -- peers: remote fetch and prefill → decode handoff (transport/service.py) ----------
     def _service(self):
         if self._transfers is None:
-            raise InvalidArgument("this daemon runs without a transport (transport.kind = \"off\"); peers cannot be reached.")
+            raise InvalidArgument('this daemon runs without a transport (transport.kind = "off"); peers cannot be reached.')
         return self._transfers
 
     async def _fetch(self, digest: bytes, blob: bytes, deadline_s: float, source: str | None = None) -> int:

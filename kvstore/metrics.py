@@ -9,7 +9,8 @@ exporter's thread never walks state the event loop is changing.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -29,9 +30,15 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.lookup_blocks = Counter("kvstore_lookup_blocks", "Blocks asked for in lookups, by result and tier.", ["namespace", "result", "tier"], registry=r)
-        self.lookup_tokens = Counter("kvstore_lookup_tokens", "Tokens asked for in lookups, by result and tier.", ["namespace", "result", "tier"], registry=r)
-        self.loaded_blocks = Counter("kvstore_loaded_blocks", "Blocks served to readers, by the tier they were found in.", ["namespace", "tier"], registry=r)
+        self.lookup_blocks = Counter(
+            "kvstore_lookup_blocks", "Blocks asked for in lookups, by result and tier.", ["namespace", "result", "tier"], registry=r
+        )
+        self.lookup_tokens = Counter(
+            "kvstore_lookup_tokens", "Tokens asked for in lookups, by result and tier.", ["namespace", "result", "tier"], registry=r
+        )
+        self.loaded_blocks = Counter(
+            "kvstore_loaded_blocks", "Blocks served to readers, by the tier they were found in.", ["namespace", "tier"], registry=r
+        )
         self.read_bytes = Counter("kvstore_read_bytes", "Bytes served to readers, by the tier they were found in.", ["tier"], registry=r)
         self.stored_blocks = Counter("kvstore_stored_blocks", "Blocks committed by writers.", registry=r)
         self.written_bytes = Counter("kvstore_written_bytes", "Bytes committed by writers into the host tier.", registry=r)
@@ -44,7 +51,10 @@ class Metrics:
             "kvstore_transfer_dropped_blocks", "Received blocks dropped before storing, by reason.", ["reason"], registry=r
         )
         self.request_seconds = Histogram(
-            "kvstore_request_seconds", "Time to serve a request, by operation.", ["rpc"], registry=r,
+            "kvstore_request_seconds",
+            "Time to serve a request, by operation.",
+            ["rpc"],
+            registry=r,
             buckets=(50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.1, 0.5, 1.0, 5.0),
         )
         self._children: dict[tuple[bytes, str, str], tuple] = {}
@@ -103,7 +113,7 @@ class Metrics:
         child.observe(seconds)
 
     # -- housekeeping -------------------------------------------------------------------
-    def refresh(self, manager: "TierManager") -> None:
+    def refresh(self, manager: TierManager) -> None:
         self._snapshot.update(manager)
 
 
@@ -113,7 +123,7 @@ class _Snapshot(Collector):
         self._counters: dict[str, int] = {}
         self._gauges: dict[str, int] = {}
 
-    def update(self, manager: "TierManager") -> None:
+    def update(self, manager: TierManager) -> None:
         # each attribute is replaced whole: a scrape in another thread sees old or new
         self._tiers = manager.tier_stats()
         self._counters = dict(manager.counters)
@@ -130,9 +140,15 @@ class _Snapshot(Collector):
             blocks.add_metric([stats.kind.value], stats.num_blocks)
             occupancy.add_metric([stats.kind.value], stats.occupancy)
         yield from (capacity, used, blocks, occupancy)
-        for name, help_text in (("leases", "Read leases held now."), ("reservations", "Write reservations open now."), ("blocks", "Blocks cached on this node.")):
+        for name, help_text in (
+            ("leases", "Read leases held now."),
+            ("reservations", "Write reservations open now."),
+            ("blocks", "Blocks cached on this node."),
+        ):
             yield GaugeMetricFamily(f"kvstore_{name}", help_text, value=self._gauges.get(name, 0))
-        events = CounterMetricFamily("kvstore_tier_events", "Tier manager events: evictions by reason, moves, corrupt reads, failures.", labels=["event", "detail"])
+        events = CounterMetricFamily(
+            "kvstore_tier_events", "Tier manager events: evictions by reason, moves, corrupt reads, failures.", labels=["event", "detail"]
+        )
         for name, value in sorted(self._counters.items()):
             match = _COUNTER_NAME.match(name)
             if match:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import collections
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -176,7 +176,9 @@ class Node:
         nbytes = self.manager.block_bytes(digest)
         total = sum(len(p) for p in payloads)
         if total > self.limits.max_inline_bytes:
-            raise InvalidArgument(f"{total} inline bytes exceed the limit of {self.limits.max_inline_bytes}; use the local client for bulk data.")
+            raise InvalidArgument(
+                f"{total} inline bytes exceed the limit of {self.limits.max_inline_bytes}; use the local client for bulk data."
+            )
         if len(payloads) != len(hashes):
             raise InvalidArgument(f"{len(hashes)} block hashes were given with {len(payloads)} payloads.")
         tensors = [torch.frombuffer(bytearray(p), dtype=torch.uint8) if p else torch.empty(0, dtype=torch.uint8) for p in payloads]
@@ -232,9 +234,7 @@ class Node:
         except ValueError:
             raise InvalidArgument(f"page_token {page_token!r} was not issued by this node.") from None
         now = time.monotonic()
-        blocks = [
-            b for b in self.manager.blocks(digest, tier) if min_idle_s is None or now - b.last_access >= min_idle_s
-        ]
+        blocks = [b for b in self.manager.blocks(digest, tier) if min_idle_s is None or now - b.last_access >= min_idle_s]
         # stable order so that pages follow each other: oldest first
         blocks.sort(key=lambda b: (b.stored_at, b.block_hash))
         page = blocks[start : start + page_size]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from kvstore.config import IndexConfig
 from kvstore.errors import KVStoreError
@@ -30,7 +30,9 @@ logger = logging.getLogger(__name__)
 
 
 class IndexPublisher:
-    def __init__(self, index: Index, node: NodeInfo, manager: TierManager, config: IndexConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, index: Index, node: NodeInfo, manager: TierManager, config: IndexConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.index = index
         self.node = node
         self.manager = manager

@@ -10,8 +10,8 @@ Owner: the daemon's event loop.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Collection, Sequence
 
 from kvstore.config import RoutingConfig
 from kvstore.errors import InvalidArgument

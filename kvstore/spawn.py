@@ -8,9 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from kvstore.errors import TierUnavailable
 from kvstore.paths import state_path_for

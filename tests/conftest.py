@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from redis_server import RedisServer, find_redis_server
 
 

@@ -7,9 +7,9 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 from kvstore.spawn import serve_command, spawn_daemon
 
@@ -66,7 +66,7 @@ class Daemon:
     def command(self) -> list[str]:
         return serve_command(self.socket, self.settings())
 
-    def start(self, timeout_s: float = 30.0) -> "Daemon":
+    def start(self, timeout_s: float = 30.0) -> Daemon:
         spawned = spawn_daemon(self.socket, self.settings(), self.workdir / f"daemon-{self.node_id}.log", timeout_s, self.prefix)
         self.process, self.state = spawned.process, spawned.state
         return self

@@ -41,9 +41,7 @@ UNIT = 4096
 
 
 def config(directory: Path, sync_writes: bool = False) -> NvmeTierConfig:
-    return NvmeTierConfig(
-        Path(directory), capacity_bytes=64 << 20, page_bytes=4 << 20, file_bytes=16 << 20, sync_writes=sync_writes
-    )
+    return NvmeTierConfig(Path(directory), capacity_bytes=64 << 20, page_bytes=4 << 20, file_bytes=16 << 20, sync_writes=sync_writes)
 
 
 def block_hash(index: int) -> bytes:

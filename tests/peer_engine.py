@@ -11,8 +11,8 @@ import sys
 import time
 
 import torch
-
 from engine_proc import LAYOUT, NAMESPACE, kv_for
+
 from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError
 from kvstore.hashing import chain_hashes
@@ -60,7 +60,9 @@ def main() -> None:
                 for layer in range(LAYOUT.num_layers):
                     client.handoff_wait_layers(transfer, layer + 1, timeout_s=30)
                     offset, length = LAYOUT.layer_slice(layer)
-                    intact = all(torch.equal(v[offset : offset + length], e[offset : offset + length]) for v, e in zip(receiving.views, expected))
+                    intact = all(
+                        torch.equal(v[offset : offset + length], e[offset : offset + length]) for v, e in zip(receiving.views, expected)
+                    )
                     emit(layer=layer, intact=intact)
             except KVStoreError as exc:
                 emit(error=type(exc).__name__, message=str(exc))

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from daemon_harness import new_daemon
 
 ENGINE = Path(__file__).with_name("engine_proc.py")
@@ -23,7 +22,9 @@ def live(tmp_path_factory):
 
 
 def kv(live, *args, expect=0):
-    result = subprocess.run([sys.executable, "-m", "kvstore", "--socket", str(live.socket), "--json", *args], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstore", "--socket", str(live.socket), "--json", *args], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == expect, (result.stdout, result.stderr)
     if expect == 0:
         return json.loads(result.stdout)
@@ -74,7 +75,11 @@ def test_refusals_are_sentences_with_exit_codes(live, tmp_path):
     assert "not registered" in kv(live, "lookup", "--namespace", "00" * 16, "ab" * 16, expect=1)
     assert "no live peer" in kv(live, "drain", expect=1)  # a lone node has nowhere to drain to
     assert "no live peer" in kv(live, "warm", expect=1)
-    missing = subprocess.run([sys.executable, "-m", "kvstore", "--socket", str(tmp_path / "nope.sock"), "status"], capture_output=True, text=True)
+    missing = subprocess.run(
+        [sys.executable, "-m", "kvstore", "--socket", str(tmp_path / "nope.sock"), "status"], capture_output=True, text=True
+    )
     assert missing.returncode == 3 and "kvstore serve" in missing.stderr and "Traceback" not in missing.stderr
-    usage = subprocess.run([sys.executable, "-m", "kvstore", "--socket", str(live.socket), "pin", "--namespace", "zz", "ab"], capture_output=True, text=True)
+    usage = subprocess.run(
+        [sys.executable, "-m", "kvstore", "--socket", str(live.socket), "pin", "--namespace", "zz", "ab"], capture_output=True, text=True
+    )
     assert usage.returncode == 2

@@ -6,8 +6,8 @@ import time
 
 import pytest
 import torch
-
 from daemon_harness import daemons
+
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.client import KVStoreClient

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from daemon_harness import daemons
+
 from kvstore.api.client import ApiError, connect
 from kvstore.api.v1 import kvstore_pb2 as pb
 
@@ -21,7 +21,9 @@ pytestmark = pytest.mark.slow
 
 
 def engine(daemon, mode, seed, num_blocks):
-    result = subprocess.run([sys.executable, str(ENGINE), str(daemon.socket), mode, str(seed), str(num_blocks)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ENGINE), str(daemon.socket), mode, str(seed), str(num_blocks)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -96,7 +98,13 @@ def test_a_second_daemon_on_a_live_socket_refuses_to_start(daemon, tmp_path):
 def test_bad_requests_get_clear_codes_and_the_daemon_keeps_serving(daemon):
     d = daemon()
     engine(d, "save", seed=7, num_blocks=4)
-    namespace = bytes.fromhex(json.loads(subprocess.run([sys.executable, "-m", "kvstore", "--address", d.address, "--json", "ls"], capture_output=True, text=True, check=True).stdout)["blocks"][0]["namespace"])
+    namespace = bytes.fromhex(
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-m", "kvstore", "--address", d.address, "--json", "ls"], capture_output=True, text=True, check=True
+            ).stdout
+        )["blocks"][0]["namespace"]
+    )
     with connect(d.address) as client:
         cases = [
             (pb.LookupRequest(namespace_id=namespace, block_hashes=pb.BlockHashes(hashes=[b"x" * 15])), "INVALID_ARGUMENT"),
@@ -161,8 +169,8 @@ def test_the_async_client_saves_and_loads(daemon):
     import asyncio
 
     import torch
-
     from engine_proc import NAMESPACE, kv_for
+
     from kvstore.client import AsyncKVStoreClient
     from kvstore.hashing import chain_hashes
 

@@ -22,7 +22,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 def test_connector_suite(suite):
     if not ENGINES_PYTHON.exists():
         pytest.fail(f"{ENGINES_PYTHON} is missing; `make engines-venv` builds it (`make test` does so itself).")
-    command = [str(ENGINES_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning", f"tests/engines/{suite}_suite.py"]
+    command = [
+        str(ENGINES_PYTHON),
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-W",
+        "ignore::DeprecationWarning",
+        f"tests/engines/{suite}_suite.py",
+    ]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1100)
     report = result.stdout[-8000:] + result.stderr[-4000:]
     assert result.returncode == 0, report

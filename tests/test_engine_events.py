@@ -11,16 +11,6 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
-
-from kvstore.errors import InvalidArgument
-from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, RemovalReason
-from kvstore.hashing import chain_hashes
-from kvstore.index.base import Index, NodeInfo, NodeMatch
-from kvstore.index.engine_events import EngineBlockStored, EngineEventTranslator, decode_batch
-from kvstore.index.engine_subscriber import EngineEventSubscriber, EngineSubscription
-from kvstore.layout import KVLayout
-from kvstore.namespace import Namespace
-from kvstore.tiers.base import TierKind
 from vllm_kv_events import (
     MemoryIndex,
     RecordingIndex,
@@ -34,6 +24,16 @@ from vllm_kv_events import (
     stored_map,
 )
 
+from kvstore.errors import InvalidArgument
+from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, RemovalReason
+from kvstore.hashing import chain_hashes
+from kvstore.index.base import Index, NodeInfo, NodeMatch
+from kvstore.index.engine_events import EngineBlockStored, EngineEventTranslator, decode_batch
+from kvstore.index.engine_subscriber import EngineEventSubscriber, EngineSubscription
+from kvstore.layout import KVLayout
+from kvstore.namespace import Namespace
+from kvstore.tiers.base import TierKind
+
 BLOCK = 4
 NS = Namespace("test/model", KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=BLOCK))
 ENGINE = "engine-0"
@@ -46,7 +46,9 @@ except ImportError:
 
 INDEXES = [
     pytest.param(MemoryIndex, id="memory"),
-    pytest.param(EmbeddedIndex, id="embedded", marks=pytest.mark.skipif(EmbeddedIndex is None, reason="index/embedded.py is not there yet")),
+    pytest.param(
+        EmbeddedIndex, id="embedded", marks=pytest.mark.skipif(EmbeddedIndex is None, reason="index/embedded.py is not there yet")
+    ),
 ]
 
 
@@ -71,9 +73,13 @@ def test_blocks_are_keyed_by_their_tokens_never_by_engine_hashes():
     assert second == [BlockStored(NS.digest, tuple(keys[3:]), keys[2], GPU, NS.block_bytes)]
     # the same tokens under other engine hashes give the same keys
     other = EngineEventTranslator(NS)
-    assert other.translate_payload(batch([stored([b"\x01" * 32, b"\x02" * 32], None, prompt[: 2 * BLOCK], BLOCK)]))[0].block_hashes == tuple(keys[:2])
+    assert other.translate_payload(batch([stored([b"\x01" * 32, b"\x02" * 32], None, prompt[: 2 * BLOCK], BLOCK)]))[
+        0
+    ].block_hashes == tuple(keys[:2])
 
-    assert translator.translate_payload(batch([removed([H[4], 123456])])) == [BlockRemoved(NS.digest, (keys[4],), GPU, RemovalReason.CAPACITY)]
+    assert translator.translate_payload(batch([removed([H[4], 123456])])) == [
+        BlockRemoved(NS.digest, (keys[4],), GPU, RemovalReason.CAPACITY)
+    ]
     assert translator.num_removals_unknown == 1 and len(translator) == 4
     assert translator.translate_payload(batch([cleared()])) == [AllBlocksCleared()]
     assert len(translator) == 0
@@ -113,7 +119,13 @@ def test_blocks_that_tokens_alone_do_not_key_are_skipped():
 def test_decoding_tolerates_appended_fields_map_encoding_and_unknown_kinds():
     prompt = tokens(2)
     newest = stored(H[:2], None, prompt, BLOCK, None, "GPU", None, [None, None], 0, "full_attention", None, "future")
-    payload = msgpack.packb({"ts": 1.5, "events": [newest, stored_map([H[2]], H[1], tokens(1, 50), BLOCK), ["BlockPinned", 1], removed_map([H[2]])], "data_parallel_rank": 3})
+    payload = msgpack.packb(
+        {
+            "ts": 1.5,
+            "events": [newest, stored_map([H[2]], H[1], tokens(1, 50), BLOCK), ["BlockPinned", 1], removed_map([H[2]])],
+            "data_parallel_rank": 3,
+        }
+    )
     decoded = decode_batch(payload)
     assert decoded.ts == 1.5 and decoded.data_parallel_rank == 3 and decoded.num_unknown == 1
     assert isinstance(decoded.events[0], EngineBlockStored) and decoded.events[0].kv_cache_spec_kind == "full_attention"
@@ -123,12 +135,20 @@ def test_decoding_tolerates_appended_fields_map_encoding_and_unknown_kinds():
     assert [type(e) for e in out] == [BlockStored, BlockStored, BlockRemoved]
     assert out[1].block_hashes == (keys[2],) and out[2].block_hashes == (keys[2],)
     # the oldest vLLM (0.8/0.9): five fields, no medium, two-element batch
-    assert EngineEventTranslator(NS).translate_payload(msgpack.packb([0.0, [["BlockStored", [1], None, tokens(1), BLOCK, None]]]))[0].block_hashes == (keys[0],)
+    assert EngineEventTranslator(NS).translate_payload(msgpack.packb([0.0, [["BlockStored", [1], None, tokens(1), BLOCK, None]]]))[
+        0
+    ].block_hashes == (keys[0],)
 
 
 def test_malformed_payloads_and_events_are_counted():
     translator = EngineEventTranslator(NS)
-    for payload in (b"\xc1not msgpack", msgpack.packb({"x": 1}), msgpack.packb([1.0]), msgpack.packb("text"), msgpack.packb([1.0, [], 0]) + b"\x00"):
+    for payload in (
+        b"\xc1not msgpack",
+        msgpack.packb({"x": 1}),
+        msgpack.packb([1.0]),
+        msgpack.packb("text"),
+        msgpack.packb([1.0, [], 0]) + b"\x00",
+    ):
         assert translator.translate_payload(payload) == []
     assert translator.num_batches_malformed == 5
     bad_events = [
@@ -173,14 +193,21 @@ def test_a_subscription_is_validated():
 # ------------------------------------------------- a real ZMQ publisher and subscriber
 
 
-def run_with_subscriber(body, *, endpoint: str = "tcp://127.0.0.1", replay: bool = False, index: Index | None = None, lease_ttl_s: float = 2.0) -> RecordingIndex:
+def run_with_subscriber(
+    body, *, endpoint: str = "tcp://127.0.0.1", replay: bool = False, index: Index | None = None, lease_ttl_s: float = 2.0
+) -> RecordingIndex:
     async def main():
         context = zmq.asyncio.Context()
         publisher = VllmPublisher(context, endpoint, replay=replay)
         the_index = RecordingIndex(index or MemoryIndex())
         subscription = EngineSubscription(
-            publisher.endpoint, ENGINE, topic="kv", replay_endpoint=publisher.replay_endpoint,
-            lease_ttl_s=lease_ttl_s, heartbeat_interval_s=lease_ttl_s / 5, replay_timeout_s=2.0,
+            publisher.endpoint,
+            ENGINE,
+            topic="kv",
+            replay_endpoint=publisher.replay_endpoint,
+            lease_ttl_s=lease_ttl_s,
+            heartbeat_interval_s=lease_ttl_s / 5,
+            replay_timeout_s=2.0,
         )
         subscriber = EngineEventSubscriber(subscription, NS, the_index, context=context)
         running = asyncio.create_task(subscriber.run())

@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 from daemon_harness import daemons, eventually
 from engine_proc import LAYOUT, NAMESPACE
+
 from kvstore.api.client import ApiError, connect
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.hashing import chain_hashes
@@ -24,12 +24,16 @@ def chain(seed: int, num_blocks: int):
 
 
 def save(daemon, seed, num_blocks):
-    subprocess.run([sys.executable, str(ENGINE), str(daemon.socket), "save", str(seed), str(num_blocks)], check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, str(ENGINE), str(daemon.socket), "save", str(seed), str(num_blocks)], check=True, capture_output=True, timeout=120
+    )
 
 
 def match(daemon, hashes, node_ids=()):
     with connect(daemon.address) as client:
-        response = client.index.Match(pb.MatchRequest(namespace_id=NAMESPACE.digest, block_hashes=pb.BlockHashes(hashes=hashes), node_ids=list(node_ids)))
+        response = client.index.Match(
+            pb.MatchRequest(namespace_id=NAMESPACE.digest, block_hashes=pb.BlockHashes(hashes=hashes), node_ids=list(node_ids))
+        )
     return {n.node_id: n.matched_blocks for n in response.nodes}
 
 
@@ -61,8 +65,14 @@ def test_matches_agree_with_what_each_daemon_holds(fleet):
         response = client.index.Match(pb.MatchRequest(namespace_id=NAMESPACE.digest, block_hashes=pb.BlockHashes(hashes=hashes)))
         assert [(t.tier, t.blocks) for t in response.nodes[0].tier_counts] == [(pb.TIER_HOST, 20)]
         # routing weighs the cached prefix: node-a holds the most
-        route = client.index.Route(pb.RouteRequest(namespace_id=NAMESPACE.digest, token_ids=[(1 * 7919 + i) % 50_000 for i in range(20 * 16)],
-                                                   session_id="agent-1", candidates=[pb.RouteCandidate(node_id=n) for n in ("node-a", "node-b", "node-c")]))
+        route = client.index.Route(
+            pb.RouteRequest(
+                namespace_id=NAMESPACE.digest,
+                token_ids=[(1 * 7919 + i) % 50_000 for i in range(20 * 16)],
+                session_id="agent-1",
+                candidates=[pb.RouteCandidate(node_id=n) for n in ("node-a", "node-b", "node-c")],
+            )
+        )
     assert route.node_id == "node-a" and route.reason
     assert route.expected_cached_tokens == 20 * 16
 
@@ -102,7 +112,11 @@ def test_bad_match_and_route_requests_get_clear_errors(fleet):
         cases = [
             (pb.MatchRequest(namespace_id=NAMESPACE.digest, block_hashes=pb.BlockHashes(hashes=[])), "INVALID_ARGUMENT", "empty"),
             (pb.MatchRequest(namespace_id=b"\x07" * 16, token_ids=pb.TokenIds(ids=list(range(64)))), "NOT_FOUND", "not registered"),
-            (pb.MatchRequest(namespace_id=NAMESPACE.digest, block_hashes=pb.BlockHashes(hashes=[b"x" * 16] * 70_000)), "INVALID_ARGUMENT", "limit"),
+            (
+                pb.MatchRequest(namespace_id=NAMESPACE.digest, block_hashes=pb.BlockHashes(hashes=[b"x" * 16] * 70_000)),
+                "INVALID_ARGUMENT",
+                "limit",
+            ),
             (pb.MatchRequest(namespace_id=NAMESPACE.digest, block_hashes=pb.BlockHashes(hashes=[b"short"])), "INVALID_ARGUMENT", "16"),
         ]
         for request, code, words in cases:
@@ -123,7 +137,9 @@ def test_stats_fleet_shows_hit_rate_per_node_and_its_spread(fleet):
     subprocess.run([sys.executable, str(ENGINE), str(a.socket), "load", "6", "10"], check=True, capture_output=True)
     subprocess.run([sys.executable, str(ENGINE), str(b.socket), "load", "6", "10"], check=True, capture_output=True)
     assert eventually(lambda: len(match(a, chain(6, 1))) == 1)
-    result = subprocess.run([sys.executable, "-m", "kvstore", "--address", a.address, "--json", "stats", "--fleet"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstore", "--address", a.address, "--json", "stats", "--fleet"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     fleet_view = json.loads(result.stdout)
     rates = {n["node_id"]: n["hit_rate"] for n in fleet_view["nodes"]}

@@ -18,20 +18,19 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvstore.api.client import ApiError, connect
 from kvstore.api.server import create_grpc_server
-from kvstore.config import IndexConfig, RoutingConfig
+from kvstore.api.v1 import kvstore_pb2 as pb
+from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.config import IndexConfig, RoutingConfig, ServerConfig
+from kvstore.hashing import chain_hashes
 from kvstore.index.base import NodeInfo
 from kvstore.index.embedded import EmbeddedIndex
 from kvstore.index.sessions import EmbeddedSessionStore
-from kvstore.publisher import IndexPublisher
-from kvstore.router import Router
-from kvstore.api.v1 import kvstore_pb2 as pb
-from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.config import ServerConfig
-from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
 from kvstore.metrics import Metrics
 from kvstore.namespace import Namespace
 from kvstore.node import Limits, Node
+from kvstore.publisher import IndexPublisher
+from kvstore.router import Router
 from kvstore.tiers.host import HostTier, HostTierConfig
 from kvstore.tiers.manager import TierManager, TierManagerConfig
 
@@ -83,7 +82,9 @@ async def serving(host_bytes: int = 1024 * KiB, token: str = ""):
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield Api(node, port, channel, pb_grpc.StoreStub(channel), pb_grpc.IndexStub(channel), pb_grpc.AdminStub(channel), publisher, sessions)
+        yield Api(
+            node, port, channel, pb_grpc.StoreStub(channel), pb_grpc.IndexStub(channel), pb_grpc.AdminStub(channel), publisher, sessions
+        )
     finally:
         await channel.close()
         await server.stop(None)
@@ -166,7 +167,9 @@ async def test_match_answers_for_this_node():
         assert (node.node_id, node.matched_blocks, node.matched_tokens) == (NODE_ID, 6, 6 * BLOCK_SIZE)
         assert [(c.tier, c.blocks) for c in node.tier_counts] == [(pb.TIER_HOST, 6)]
 
-        by_hashes = await api.index.Match(pb.MatchRequest(namespace_id=ns, block_hashes=pb.BlockHashes(hashes=HASHES[:2]), node_ids=[NODE_ID, "node-b"]))
+        by_hashes = await api.index.Match(
+            pb.MatchRequest(namespace_id=ns, block_hashes=pb.BlockHashes(hashes=HASHES[:2]), node_ids=[NODE_ID, "node-b"])
+        )
         assert [(n.node_id, n.matched_blocks) for n in by_hashes.nodes] == [(NODE_ID, 2)]
         elsewhere = await api.index.Match(pb.MatchRequest(namespace_id=ns, token_ids=pb.TokenIds(ids=TOKENS), node_ids=["node-b"]))
         assert list(elsewhere.nodes) == []
@@ -239,16 +242,43 @@ async def test_bad_requests_are_refused_and_the_server_keeps_serving():
         store, admin, index = api.store, api.admin, api.index
         short_hash = HASHES[0][:15]
         cases = [
-            (grpc.StatusCode.INVALID_ARGUMENT, lambda: store.Lookup(pb.LookupRequest(namespace_id=ns, block_hashes=pb.BlockHashes(hashes=[HASHES[0], short_hash])))),
-            (grpc.StatusCode.INVALID_ARGUMENT, lambda: store.Put(pb.PutRequest(namespace_id=ns, block_hashes=[short_hash], payloads=[PAYLOADS[0]]))),
-            (grpc.StatusCode.INVALID_ARGUMENT, lambda: store.Put(pb.PutRequest(namespace_id=ns, block_hashes=[UNKNOWN_HASH], parent_hash=short_hash, payloads=[PAYLOADS[0]]))),
-            (grpc.StatusCode.INVALID_ARGUMENT, lambda: store.Put(pb.PutRequest(namespace_id=ns, block_hashes=[UNKNOWN_HASH], payloads=[b"x" * 10]))),
+            (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                lambda: store.Lookup(pb.LookupRequest(namespace_id=ns, block_hashes=pb.BlockHashes(hashes=[HASHES[0], short_hash]))),
+            ),
+            (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                lambda: store.Put(pb.PutRequest(namespace_id=ns, block_hashes=[short_hash], payloads=[PAYLOADS[0]])),
+            ),
+            (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                lambda: store.Put(
+                    pb.PutRequest(namespace_id=ns, block_hashes=[UNKNOWN_HASH], parent_hash=short_hash, payloads=[PAYLOADS[0]])
+                ),
+            ),
+            (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                lambda: store.Put(pb.PutRequest(namespace_id=ns, block_hashes=[UNKNOWN_HASH], payloads=[b"x" * 10])),
+            ),
             (grpc.StatusCode.INVALID_ARGUMENT, lambda: store.Put(pb.PutRequest(namespace_id=ns, block_hashes=[UNKNOWN_HASH], payloads=[]))),
             (grpc.StatusCode.INVALID_ARGUMENT, lambda: store.Get(pb.GetRequest(namespace_id=ns, block_hashes=[UNKNOWN_HASH] * 33))),
-            (grpc.StatusCode.INVALID_ARGUMENT, lambda: store.Lookup(pb.LookupRequest(namespace_id=ns, token_ids=pb.TokenIds(ids=[1] * (33 * BLOCK_SIZE))))),
-            (grpc.StatusCode.INVALID_ARGUMENT, lambda: store.Lookup(pb.LookupRequest(namespace_id=ns[:3], token_ids=pb.TokenIds(ids=TOKENS)))),
+            (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                lambda: store.Lookup(pb.LookupRequest(namespace_id=ns, token_ids=pb.TokenIds(ids=[1] * (33 * BLOCK_SIZE)))),
+            ),
+            (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                lambda: store.Lookup(pb.LookupRequest(namespace_id=ns[:3], token_ids=pb.TokenIds(ids=TOKENS))),
+            ),
             (grpc.StatusCode.INVALID_ARGUMENT, lambda: store.Lookup(pb.LookupRequest(namespace_id=ns))),
-            (grpc.StatusCode.INVALID_ARGUMENT, lambda: store.RegisterNamespace(pb.RegisterNamespaceRequest(model_id="m", layout=pb.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="float13")))),
+            (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                lambda: store.RegisterNamespace(
+                    pb.RegisterNamespaceRequest(
+                        model_id="m", layout=pb.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="float13")
+                    )
+                ),
+            ),
             (grpc.StatusCode.INVALID_ARGUMENT, lambda: store.RegisterNamespace(pb.RegisterNamespaceRequest(model_id="m"))),
             (grpc.StatusCode.INVALID_ARGUMENT, lambda: admin.ListBlocks(pb.ListBlocksRequest(tier=pb.TIER_UNSPECIFIED))),
             (grpc.StatusCode.INVALID_ARGUMENT, lambda: admin.ListBlocks(pb.ListBlocksRequest(page_size=101))),
@@ -260,15 +290,29 @@ async def test_bad_requests_are_refused_and_the_server_keeps_serving():
             (grpc.StatusCode.INVALID_ARGUMENT, lambda: admin.Evict(pb.EvictRequest(namespace_id=ns, all=True))),
             (grpc.StatusCode.INVALID_ARGUMENT, lambda: admin.Evict(pb.EvictRequest(min_idle_s=-1))),
             (grpc.StatusCode.INVALID_ARGUMENT, lambda: admin.Pin(pb.PinRequest(namespace_id=ns, block_hashes=[UNKNOWN_HASH] * 33))),
-            (grpc.StatusCode.NOT_FOUND, lambda: store.Lookup(pb.LookupRequest(namespace_id=UNKNOWN_HASH, token_ids=pb.TokenIds(ids=TOKENS)))),
-            (grpc.StatusCode.NOT_FOUND, lambda: store.Lookup(pb.LookupRequest(namespace_id=UNKNOWN_HASH, block_hashes=pb.BlockHashes(hashes=HASHES)))),
+            (
+                grpc.StatusCode.NOT_FOUND,
+                lambda: store.Lookup(pb.LookupRequest(namespace_id=UNKNOWN_HASH, token_ids=pb.TokenIds(ids=TOKENS))),
+            ),
+            (
+                grpc.StatusCode.NOT_FOUND,
+                lambda: store.Lookup(pb.LookupRequest(namespace_id=UNKNOWN_HASH, block_hashes=pb.BlockHashes(hashes=HASHES))),
+            ),
             (grpc.StatusCode.NOT_FOUND, lambda: store.Get(pb.GetRequest(namespace_id=UNKNOWN_HASH, block_hashes=HASHES))),
             (grpc.StatusCode.NOT_FOUND, lambda: index.Match(pb.MatchRequest(namespace_id=UNKNOWN_HASH, token_ids=pb.TokenIds(ids=TOKENS)))),
             (grpc.StatusCode.NOT_FOUND, lambda: admin.Pin(pb.PinRequest(namespace_id=UNKNOWN_HASH, block_hashes=HASHES))),
             (grpc.StatusCode.NOT_FOUND, lambda: admin.Evict(pb.EvictRequest(namespace_id=UNKNOWN_HASH))),
             (grpc.StatusCode.INVALID_ARGUMENT, lambda: index.Route(pb.RouteRequest(namespace_id=ns, token_ids=TOKENS))),
-            (grpc.StatusCode.INVALID_ARGUMENT, lambda: index.Route(pb.RouteRequest(namespace_id=ns, token_ids=TOKENS, candidates=[pb.RouteCandidate(node_id=NODE_ID)] * 2))),
-            (grpc.StatusCode.INVALID_ARGUMENT, lambda: index.Match(pb.MatchRequest(namespace_id=ns, block_hashes=pb.BlockHashes(hashes=[])))),
+            (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                lambda: index.Route(
+                    pb.RouteRequest(namespace_id=ns, token_ids=TOKENS, candidates=[pb.RouteCandidate(node_id=NODE_ID)] * 2)
+                ),
+            ),
+            (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                lambda: index.Match(pb.MatchRequest(namespace_id=ns, block_hashes=pb.BlockHashes(hashes=[]))),
+            ),
             (grpc.StatusCode.INVALID_ARGUMENT, lambda: admin.Drain(pb.DrainRequest(target_node_ids=["node-b"]))),  # no transport here
         ]
         sentences = []

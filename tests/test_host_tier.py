@@ -28,9 +28,7 @@ def host_tier():
 
 class Peer:
     def __init__(self, path):
-        self.process = subprocess.Popen(
-            [sys.executable, str(PEER), str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
+        self.process = subprocess.Popen([sys.executable, str(PEER), str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.process.stdout.readline().strip() == "ready"
 
     def ask(self, *words):

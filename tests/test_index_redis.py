@@ -14,13 +14,13 @@ redis = pytest.importorskip("redis", reason="redis-py is not installed (pip inst
 
 from redis.asyncio.cluster import RedisCluster  # noqa: E402
 from redis.crc import key_slot  # noqa: E402
+from redis_server import RedisServer, find_redis_server, redis_server, start_cluster  # noqa: F401 (fixture)
 
 from kvstore.errors import InvalidArgument, TierUnavailable
 from kvstore.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored, RemovalReason
 from kvstore.index.base import NodeInfo
 from kvstore.index.redis import RedisIndex, RedisSessionStore, connect
 from kvstore.tiers.base import TierKind
-from redis_server import RedisServer, find_redis_server, redis_server, start_cluster  # noqa: F401 (fixture)
 
 HBM, HOST, NVME, GPU = TierKind.HBM, TierKind.HOST, TierKind.NVME, TierKind.GPU
 NS_A, NS_B = b"A" * 16, b"B" * 16
@@ -286,14 +286,20 @@ def test_round_trips_per_publish_and_match(redis_server):
         await index.match(NS_A, prompt[:1])  # loads the scripts
         await index.publish("n1", [stored(NS_B, prompt[:1], HOST)])
         before = index.num_round_trips
-        await index.publish("n1", [stored(NS_A, prompt, HOST), stored(NS_B, prompt[:9000], NVME)] + [BlockMoved(NS_A, (h,), HOST, HBM) for h in prompt[:500]])
+        await index.publish(
+            "n1",
+            [stored(NS_A, prompt, HOST), stored(NS_B, prompt[:9000], NVME)] + [BlockMoved(NS_A, (h,), HOST, HBM) for h in prompt[:500]],
+        )
         await index.publish("n2", [stored(NS_A, prompt[:100], HBM)])
         assert index.num_round_trips - before == 2  # one pipeline per batch, whatever its size
         index._view = None
         before = index.num_round_trips
         matches = await index.match(NS_A, prompt)
         assert index.num_round_trips - before == 2  # the registry view, then the script
-        assert [(m.node_id, m.num_blocks, m.tier_counts()) for m in matches] == [("n1", 20_000, {HBM: 500, HOST: 19_500}), ("n2", 100, {HBM: 100})]
+        assert [(m.node_id, m.num_blocks, m.tier_counts()) for m in matches] == [
+            ("n1", 20_000, {HBM: 500, HOST: 19_500}),
+            ("n2", 100, {HBM: 100}),
+        ]
         before = index.num_round_trips
         await index.match(NS_A, prompt)
         assert index.num_round_trips - before == 1  # the view is cached

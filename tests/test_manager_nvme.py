@@ -30,7 +30,9 @@ class Node:
     """A host tier of 8 blocks over an NVMe tier directory that outlives it."""
 
     def __init__(self, directory: Path, **config):
-        self.host = HostTier(HostTierConfig(capacity_bytes=8 * LAYOUT.block_bytes, name=f"kvstore-test-{uuid.uuid4().hex[:8]}", page_bytes=64 * 1024))
+        self.host = HostTier(
+            HostTierConfig(capacity_bytes=8 * LAYOUT.block_bytes, name=f"kvstore-test-{uuid.uuid4().hex[:8]}", page_bytes=64 * 1024)
+        )
         self.nvme = NvmeTier(NvmeTierConfig(directory=directory, capacity_bytes=4 * MiB, page_bytes=MiB, file_bytes=2 * MiB))
         self.manager = TierManager(TierManagerConfig(**config), [self.host, self.nvme])
         self.manager.register_namespace(NAMESPACE)

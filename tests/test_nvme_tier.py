@@ -86,8 +86,7 @@ SIZES = (1, 100, 4096, 4097, 65_536, 300_000, MiB - 8192)
 @pytest.mark.parametrize("direct_io", [True, False])
 @pytest.mark.parametrize("buffers", ["fresh", "aligned", "unaligned"])
 def test_blocks_of_several_size_classes_round_trip(tmp_path, direct_io, buffers):
-    make_tensor = {"fresh": lambda n: torch.empty(n, dtype=torch.uint8), "aligned": aligned_tensor,
-                   "unaligned": unaligned_tensor}[buffers]
+    make_tensor = {"fresh": lambda n: torch.empty(n, dtype=torch.uint8), "aligned": aligned_tensor, "unaligned": unaligned_tensor}[buffers]
     with NvmeTier(make_config(tmp_path, direct_io=direct_io)) as tier:
         assert tier.kind is TierKind.NVME
         written = []
@@ -395,7 +394,10 @@ def check_recovery(directory: Path, committed: set[int], uncertain: set[int]) ->
 def start_writer(directory: Path, mode: str, *crash: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, str(WRITER), str(directory), mode, *crash],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
     )
 
 
@@ -460,8 +462,7 @@ def tiny_tmpfs(tmp_path):
     """A 2 MiB filesystem, to fill up."""
     mount_point = tmp_path / "tiny"
     mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)], capture_output=True, text=True)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs to fill up (needs root): {result.stderr.strip()}")
     try:
@@ -491,8 +492,7 @@ def test_a_disk_without_room_for_one_page_is_refused_with_advice(tiny_tmpfs):
 
 @pytest.mark.parametrize(
     "sync_writes, failing",
-    [(False, "every write"), (False, "the trailer write"), (True, "every write"), (True, "the trailer write"),
-     (True, "the sync")],
+    [(False, "every write"), (False, "the trailer write"), (True, "every write"), (True, "the trailer write"), (True, "the sync")],
 )
 def test_a_failed_write_leaves_no_valid_trailer(tmp_path, monkeypatch, sync_writes, failing):
     real_pwritev = os.pwritev
@@ -616,10 +616,9 @@ def test_concurrent_submits_on_distinct_slots(tmp_path):
         outputs = [torch.empty(meta.nbytes, dtype=torch.uint8) for meta, _ in blocks]
 
         async def read_all() -> None:
-            await asyncio.gather(*(
-                asyncio.wrap_future(tier.submit_read(slot, out, meta))
-                for slot, out, (meta, _) in zip(slots, outputs, blocks)
-            ))
+            await asyncio.gather(
+                *(asyncio.wrap_future(tier.submit_read(slot, out, meta)) for slot, out, (meta, _) in zip(slots, outputs, blocks))
+            )
 
         asyncio.run(read_all())
         for out, (_, data) in zip(outputs, blocks):

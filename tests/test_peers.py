@@ -15,9 +15,9 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from daemon_harness import daemons
 from daemon_harness import eventually as _eventually
+
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
 
@@ -62,13 +62,21 @@ def fleet(tmp_path, redis, kind):
 
 
 def engine(daemon, *args, script=PEER_ENGINE, timeout=120) -> list[dict]:
-    done = subprocess.run([sys.executable, str(script), str(daemon.socket), *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=HERE)
+    done = subprocess.run(
+        [sys.executable, str(script), str(daemon.socket), *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=HERE
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
 def start_engine(daemon, *args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(PEER_ENGINE), str(daemon.socket), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE)
+    return subprocess.Popen(
+        [sys.executable, str(PEER_ENGINE), str(daemon.socket), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=HERE,
+    )
 
 
 def lines(process: subprocess.Popen, timeout: float = 120) -> list[dict]:
@@ -127,7 +135,7 @@ def test_handoff_between_daemons_layer_by_layer(fleet):
     # the prefill node keeps the prefix too; nothing is left staged on either side
     assert engine(prefill, "load", 2, 6, script=ENGINE)[0]["loaded"] == 6
     for daemon in (prefill, decode):
-        assert eventually(lambda: stats(daemon)["tiers"][pb.TIER_HOST] == 6 * 32 * 1024)
+        assert eventually(lambda d=daemon: stats(d)["tiers"][pb.TIER_HOST] == 6 * 32 * 1024)
 
 
 def test_a_producer_daemon_killed_mid_handoff_fails_the_consumer_and_frees_its_slots(fleet):
@@ -237,7 +245,9 @@ def test_warm_pulls_shared_prefixes_from_the_fleet(fleet):
     assert shared.returncode == 0, shared.stderr
     new = fleet("new")
     assert eventually(lambda: indexed(new, "old"))
-    warmed = subprocess.run([sys.executable, "-m", "kvstore", "--address", new.address, "--json", "warm"], capture_output=True, text=True, timeout=120)
+    warmed = subprocess.run(
+        [sys.executable, "-m", "kvstore", "--address", new.address, "--json", "warm"], capture_output=True, text=True, timeout=120
+    )
     assert warmed.returncode == 0, warmed.stderr
     assert json.loads(warmed.stdout)["moved_blocks"] == 4
 

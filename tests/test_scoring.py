@@ -189,8 +189,14 @@ def test_new_sessions_spread_over_idle_nodes_by_rendezvous_hash():
     from kvstore.index.scoring import AffinityPolicy, Candidate, CostModel
     from kvstore.index.scoring import route as route_
 
-    model = CostModel(prefill_tokens_per_s=10_000, attention_context_tokens=64_000, host_bytes_per_s=20e9,
-                      nvme_bytes_per_s=5e9, remote_bytes_per_s=10e9, decode_s_per_request=0.0)
+    model = CostModel(
+        prefill_tokens_per_s=10_000,
+        attention_context_tokens=64_000,
+        host_bytes_per_s=20e9,
+        nvme_bytes_per_s=5e9,
+        remote_bytes_per_s=10e9,
+        decode_s_per_request=0.0,
+    )
     nodes = [Candidate(f"node-{i}") for i in range(8)]
     chosen = [route_(nodes, {}, 1000, 16, 4096, model, None, AffinityPolicy(0.5, 0.25), f"session-{k}").node_id for k in range(800)]
     counts = {n.node_id: chosen.count(n.node_id) for n in nodes}

@@ -55,9 +55,7 @@ CONVERSATIONS = [
 
 
 def test_trace_keys_chain_the_ids_and_identify_the_whole_prefix():
-    first, second, third = parse_trace_lines(
-        [_line(0, [1, 2, 3], 12), _line(1, [1, 2, 4], 12), _line(2, [5, 2, 3], 12)], TINY
-    )
+    first, second, third = parse_trace_lines([_line(0, [1, 2, 3], 12), _line(1, [1, 2, 4], 12), _line(2, [5, 2, 3], 12)], TINY)
     expected = [hash_block(None, [1])]
     for block_id in (2, 3):
         expected.append(hash_block(expected[-1], [block_id]))

@@ -130,7 +130,13 @@ def test_control_and_block_frames_round_trip(kind):
             assert (header.kind, header.transfer_id, header.namespace) == (FrameKind.CONTROL, 7, NAMESPACE)
             assert decode_control(header, await server.recv_bytes(header)) == {"op": "fetch", "keys": [key_of(1)], "deadline_ms": 250}
             header = await server.recv_header()
-            assert (header.kind, header.key, header.sequence, header.first_layer, header.num_layers) == (FrameKind.BLOCK, key_of(5), 5, 2, 3)
+            assert (header.kind, header.key, header.sequence, header.first_layer, header.num_layers) == (
+                FrameKind.BLOCK,
+                key_of(5),
+                5,
+                2,
+                3,
+            )
             received = bytearray(header.length)
             await server.recv_payload(memoryview(received))
             header.verify(received)
@@ -147,6 +153,7 @@ def test_control_and_block_frames_round_trip(kind):
 
 def test_payload_lands_in_the_callers_buffer(kind):
     """Small (inline for UCX) and large payloads both land in the slot the caller gave."""
+
     async def body():
         async with connected(kind) as (client, server):
             small, large = pattern(INLINE_BYTES - 8, 2), pattern(1024 * KiB, 3)
@@ -231,6 +238,7 @@ def test_close_wakes_a_blocked_receiver(kind):
 
 def test_transport_close_ends_the_channels_it_accepted(kind):
     """The server side blocks in a receive; closing its transport wakes it with TransferFailed."""
+
     async def body():
         config = TransportConfig(kind=kind)
         server, client = open_transport(config), open_transport(config)
@@ -277,6 +285,7 @@ def test_connecting_to_a_closed_port_fails_quickly(kind):
 # -- corruption ------------------------------------------------------------------------
 async def start_flipping_proxy(target_port: int, flip_at: int):
     """A TCP proxy that forwards both ways and inverts the client's byte number ``flip_at``."""
+
     async def pump(reader, writer, flip: bool):
         seen = 0
         try:
@@ -578,7 +587,9 @@ def test_ucx_defaults_reach_ucx_without_overriding_the_environment(ucx):
         "from kvstore.transport.factory import open_transport\n"
         "transport = open_transport(TransportConfig(kind='auto'))\n"
         "import ucxx\n"
-        "print(type(transport).__name__, ucxx.get_config()['RNDV_SCHEME'], os.environ.get('KVSTORE_TRANSPORT_UCX_PROGRESS_MODE', '-'), os.environ['UCXPY_PROGRESS_MODE'], os.environ.get('UCXPY_ENABLE_PYTHON_FUTURE', '-'), os.environ['UCX_WARN_UNUSED_ENV_VARS'])\n"
+        "print(type(transport).__name__, ucxx.get_config()['RNDV_SCHEME'], "
+        "os.environ.get('KVSTORE_TRANSPORT_UCX_PROGRESS_MODE', '-'), os.environ['UCXPY_PROGRESS_MODE'], "
+        "os.environ.get('UCXPY_ENABLE_PYTHON_FUTURE', '-'), os.environ['UCX_WARN_UNUSED_ENV_VARS'])\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_RNDV", "UCXPY_", "UCX_WARN", "KVSTORE_TRANSPORT_UCX"))}
 
@@ -589,6 +600,13 @@ def test_ucx_defaults_reach_ucx_without_overriding_the_environment(ucx):
 
     # kvstore's event progress runs ucxx in its blocking mode
     assert transport_env() == ["UcxTransport", "put_zcopy", "event", "blocking", "-", "n"]
-    assert transport_env(UCX_RNDV_SCHEME="get_zcopy", UCXPY_PROGRESS_MODE="polling") == ["UcxTransport", "get_zcopy", "-", "polling", "-", "n"]
+    assert transport_env(UCX_RNDV_SCHEME="get_zcopy", UCXPY_PROGRESS_MODE="polling") == [
+        "UcxTransport",
+        "get_zcopy",
+        "-",
+        "polling",
+        "-",
+        "n",
+    ]
     # the process exits although its transport was never closed: ucxx's notifier thread is stopped at exit
     assert transport_env(UCXPY_PROGRESS_MODE="thread") == ["UcxTransport", "put_zcopy", "-", "thread", "1", "n"]

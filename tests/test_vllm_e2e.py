@@ -24,21 +24,21 @@ import os
 import random
 import signal
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pytest
+from daemon_harness import Daemon, daemons
+from test_manager_nvme import flip_a_byte_of
 
 from bench.vllm_engine import VLLM_PYTHON, build_model, engine_process
-from daemon_harness import Daemon, daemons
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.client import KVStoreClient
 from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
-from test_manager_nvme import flip_a_byte_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -74,17 +74,21 @@ class Store:
     saved_by_a: dict = field(default_factory=dict)
 
     def connector(self, daemon: Daemon | None = None, role: str = "kv_both", **extra) -> dict:
-        return {"name": "KVStoreConnector", "module": "kvstore.connectors.vllm", "role": role,
-                "extra": {"socket_path": str((daemon or self.daemon).socket), **extra}}
+        return {
+            "name": "KVStoreConnector",
+            "module": "kvstore.connectors.vllm",
+            "role": role,
+            "extra": {"socket_path": str((daemon or self.daemon).socket), **extra},
+        }
 
-    def serve(self, name: str, prompts: list[list[int]], connector: dict | bool = True, transfer: list | None = None,
-              max_tokens: int = MAX_TOKENS) -> dict:
+    def serve(
+        self, name: str, prompts: list[list[int]], connector: dict | bool = True, transfer: list | None = None, max_tokens: int = MAX_TOKENS
+    ) -> dict:
         connector = self.connector() if connector is True else connector or None
         requests = [{"prompt": prompt, "max_tokens": max_tokens} for prompt in prompts]
         for request, params in zip(requests, transfer or ()):
             request["kv_transfer_params"] = params
-        plan = {"model": str(self.model), "block_size": BLOCK, "max_model_len": 4096, "connector": connector,
-                "requests": requests}
+        plan = {"model": str(self.model), "block_size": BLOCK, "max_model_len": 4096, "connector": connector, "requests": requests}
         report = engine_process(plan, self.workdir, name)
         log = (self.workdir / f"{name}.log").read_text()
         assert "Traceback" not in log, log[-6000:]  # nothing failed quietly, shutdown included
@@ -123,8 +127,12 @@ def test_instance_a_saves_every_full_block_as_the_reference_model_computes_it(st
     assert a["connector"]["external_hit_tokens"] == 0
     prompt_file = store.workdir / "p.json"
     prompt_file.write_text(json.dumps(P))
-    result = subprocess.run([str(VLLM_PYTHON), str(REFERENCE), str(store.daemon.socket), str(store.model),
-                             str(prompt_file), str(PROMPT_TOKENS // BLOCK)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [str(VLLM_PYTHON), str(REFERENCE), str(store.daemon.socket), str(store.model), str(prompt_file), str(PROMPT_TOKENS // BLOCK)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     errors = json.loads(result.stdout.strip().splitlines()[-1])
     assert errors["loaded"] == PROMPT_TOKENS // BLOCK
@@ -192,18 +200,29 @@ def test_a_prefill_instance_hands_the_kv_to_a_decode_instance_layer_by_layer(sto
     patient = {"transport.handoff_timeout_s": "300"}
     prefill_daemon, decode_daemon = store.start_daemon(extra=patient), store.start_daemon(extra=patient)
     producer = store.connector(prefill_daemon, "kv_producer", handoff_destination=decode_daemon.transport_address)
-    prefilled = store.serve("instance-prefill", [U], producer, max_tokens=1,
-                            transfer=[{"do_remote_decode": True, "kvstore_transfer_id": "pd-1"}])
+    prefilled = store.serve(
+        "instance-prefill", [U], producer, max_tokens=1, transfer=[{"do_remote_decode": True, "kvstore_transfer_id": "pd-1"}]
+    )
     sent = prefilled["results"][0]
     assert sent["tokens"] == baseline["U"][:1]
-    assert sent["kv_transfer_params"].items() >= {"do_remote_prefill": True, "kvstore_transfer_id": "pd-1",
-                                                  "kvstore_destination": decode_daemon.transport_address,
-                                                  "kvstore_num_blocks": PROMPT_TOKENS // BLOCK}.items()
+    assert (
+        sent["kv_transfer_params"].items()
+        >= {
+            "do_remote_prefill": True,
+            "kvstore_transfer_id": "pd-1",
+            "kvstore_destination": decode_daemon.transport_address,
+            "kvstore_num_blocks": PROMPT_TOKENS // BLOCK,
+        }.items()
+    )
     assert prefilled["connector"]["handoff_blocks_sent"] == PROMPT_TOKENS // BLOCK
     # the proxy passes the prefill's kv_transfer_params on; a second request names a handoff nobody sends
     consumer = store.connector(decode_daemon, "kv_consumer", handoff_timeout_s=5)
-    decoded = store.serve("instance-decode", [U, P], consumer,
-                          transfer=[sent["kv_transfer_params"], {"do_remote_prefill": True, "kvstore_transfer_id": "never-sent"}])
+    decoded = store.serve(
+        "instance-decode",
+        [U, P],
+        consumer,
+        transfer=[sent["kv_transfer_params"], {"do_remote_prefill": True, "kvstore_transfer_id": "never-sent"}],
+    )
     handed_off, never_sent = decoded["results"]
     assert handed_off["tokens"] == baseline["U"]
     assert never_sent["tokens"] == baseline["P"]  # recomputed after the wait

@@ -6,10 +6,10 @@ test_vllm_e2e against a reference forward pass): one stores K transposed like th
 gather path), and broken ones that lose or duplicate elements.
 """
 
+import threading
+
 import pytest
 import torch
-
-import threading
 
 from kvstore.connectors.vllm_layout import BlockOrder, CopyThread, LayerCopier, runs_of
 from kvstore.errors import InvalidArgument

@@ -46,13 +46,17 @@ def main() -> None:
     stored = stored.permute(1, 2, 3, 0, 4, 5).reshape(layers, 2, heads, num_blocks * block_size, head_dim).float()
     keys = torch.stack([cache.layers[i].keys[0] for i in range(layers)]).float()
     values = torch.stack([cache.layers[i].values[0] for i in range(layers)]).float()
-    print(json.dumps({
-        "loaded": loaded,
-        "k_err": (stored[:, 0] - keys).abs().max().item(),
-        "v_err": (stored[:, 1] - values).abs().max().item(),
-        "k_vs_v_err": (stored[:, 0] - values).abs().max().item(),
-        "scale": keys.abs().max().item(),
-    }))
+    print(
+        json.dumps(
+            {
+                "loaded": loaded,
+                "k_err": (stored[:, 0] - keys).abs().max().item(),
+                "v_err": (stored[:, 1] - values).abs().max().item(),
+                "k_vs_v_err": (stored[:, 0] - values).abs().max().item(),
+                "scale": keys.abs().max().item(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

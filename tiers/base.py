@@ -104,7 +104,7 @@ class Tier(abc.ABC):
         """`read`, possibly in the background (see `submit_write`)."""
         return _run_now(self.read, slot, dst, meta)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: most tiers hold nothing to release)
         """Release OS resources; the default holds none."""
 
 

@@ -13,7 +13,7 @@ step with it); not thread-safe.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from kvstore.hashing import BlockHash
 from kvstore.tiers.base import TierKind

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import abc
 from collections import OrderedDict
-from typing import Any, Callable, Hashable, Protocol
+from collections.abc import Callable, Hashable
+from typing import Any, Protocol
 
 from kvstore.errors import InvalidArgument
 

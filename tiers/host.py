@@ -62,14 +62,13 @@ class SharedSlab:
         self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)
 
     @classmethod
-    def create(cls, path: Path, nbytes: int, reclaim_stale: bool = False) -> "SharedSlab":
+    def create(cls, path: Path, nbytes: int, reclaim_stale: bool = False) -> SharedSlab:
         flags = os.O_RDWR | os.O_CREAT | (0 if reclaim_stale else os.O_EXCL)
         try:
             fd = os.open(path, flags, 0o600)
         except FileExistsError as exc:
             raise TierUnavailable(
-                f"{path} already exists: another daemon is running or one crashed; stop it, "
-                "or start with stale segments reclaimed."
+                f"{path} already exists: another daemon is running or one crashed; stop it, or start with stale segments reclaimed."
             ) from exc
         except OSError as exc:
             raise TierUnavailable(f"cannot create the host tier file {path}: {exc.strerror}.") from exc
@@ -92,7 +91,7 @@ class SharedSlab:
         return cls(path, mapping, owner_fd=fd)
 
     @classmethod
-    def attach(cls, path: Path | str) -> "SharedSlab":
+    def attach(cls, path: Path | str) -> SharedSlab:
         path = Path(path)
         try:
             fd = os.open(path, os.O_RDWR)

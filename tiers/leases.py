@@ -12,7 +12,7 @@ Owner: the tier manager's thread (see tiers/manager.py); not thread-safe.
 from __future__ import annotations
 
 import collections
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from kvstore.errors import NotFound
 from kvstore.hashing import BlockHash

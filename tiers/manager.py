@@ -38,8 +38,8 @@ import functools
 import itertools
 import operator
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -52,7 +52,7 @@ from kvstore.tiers.catalogue import BlockEntry
 from kvstore.tiers.eviction import POLICIES
 from kvstore.tiers.leases import ReadLeases
 from kvstore.tiers.movement import Mover, block_meta
-from kvstore.tiers.records import BlockInfo, EvictResult, LeasedBlock, ReadLease, ReservedBlock, Reservation
+from kvstore.tiers.records import BlockInfo, EvictResult, LeasedBlock, ReadLease, Reservation, ReservedBlock
 from kvstore.tiers.reservations import Reservations
 from kvstore.tiers.residency import Residency
 from kvstore.tiers.slab import Slot
@@ -89,9 +89,7 @@ class TierManagerConfig:
         if self.eviction_policy not in POLICIES:
             raise InvalidArgument(f"eviction_policy {self.eviction_policy!r} is not one of {sorted(POLICIES)}.")
         if not 0.0 < self.low_watermark < self.high_watermark <= 1.0:
-            raise InvalidArgument(
-                f"watermarks must satisfy 0 < low < high <= 1, got low={self.low_watermark}, high={self.high_watermark}."
-            )
+            raise InvalidArgument(f"watermarks must satisfy 0 < low < high <= 1, got low={self.low_watermark}, high={self.high_watermark}.")
         if self.reservation_ttl_s <= 0:
             raise InvalidArgument(f"reservation_ttl_s must be positive, got {self.reservation_ttl_s}.")
 
@@ -196,7 +194,9 @@ class TierManager:
         slots = [block.slot for block in reservation.blocks]
         return self._stack.views(reservation.tier, slots, reservation.nbytes, "cannot be written through views")
 
-    def put(self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor], parent_hash: BlockHash | None = None) -> int:
+    def put(
+        self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor], parent_hash: BlockHash | None = None
+    ) -> int:
         """Reserve, copy and commit a chain of blocks; returns how many were new."""
         if len(blocks) != len(hashes):
             raise InvalidArgument(f"{len(hashes)} hashes were given with {len(blocks)} blocks.")

@@ -110,8 +110,10 @@ class NvmeTierConfig:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"NvmeTierConfig.{name} must be true or false, got {getattr(self, name)!r}.")
         if self.page_bytes % IO_ALIGN or not 3 * IO_ALIGN <= self.page_bytes <= _MAX_PAGE_BYTES:
-            raise InvalidArgument(f"NvmeTierConfig.page_bytes must be a multiple of {IO_ALIGN} between "
-                                  f"{3 * IO_ALIGN} and {_MAX_PAGE_BYTES}, got {self.page_bytes}.")
+            raise InvalidArgument(
+                f"NvmeTierConfig.page_bytes must be a multiple of {IO_ALIGN} between "
+                f"{3 * IO_ALIGN} and {_MAX_PAGE_BYTES}, got {self.page_bytes}."
+            )
         if self.capacity_bytes < self.page_bytes:
             raise InvalidArgument(
                 f"NvmeTierConfig.capacity_bytes ({self.capacity_bytes}) must hold at least one page of "
@@ -122,8 +124,7 @@ class NvmeTierConfig:
         if self.compression not in ("none", "zstd"):
             raise InvalidArgument(f"NvmeTierConfig.compression must be 'none' or 'zstd', got {self.compression!r}.")
         if not 1 <= self.compression_level <= 22:
-            raise InvalidArgument(f"NvmeTierConfig.compression_level must lie in [1, 22], got "
-                                  f"{self.compression_level}.")
+            raise InvalidArgument(f"NvmeTierConfig.compression_level must lie in [1, 22], got {self.compression_level}.")
         if not 1 <= self.io_threads <= 256:
             raise InvalidArgument(f"NvmeTierConfig.io_threads must lie in [1, 256], got {self.io_threads}.")
 
@@ -151,15 +152,16 @@ class NvmeTier(Tier):
         self._page_header_lock = threading.Lock()
         self._codec = PayloadCodec(config.compression_level)
         self._files = SlotFiles(
-            config.directory, self.requested_capacity_bytes // self.page_bytes, self.page_bytes,
-            self.file_bytes, config.direct_io,
+            config.directory,
+            self.requested_capacity_bytes // self.page_bytes,
+            self.page_bytes,
+            self.file_bytes,
+            config.direct_io,
         )
         self.uses_direct_io = self._files.uses_direct_io
         self.capacity_bytes = self._files.num_pages * self.page_bytes
         self.sized_down = self.capacity_bytes < self.requested_capacity_bytes
-        self._allocator = SlabAllocator(
-            self.capacity_bytes, self.page_bytes, alignment=IO_ALIGN, page_header_bytes=HEADER_BYTES
-        )
+        self._allocator = SlabAllocator(self.capacity_bytes, self.page_bytes, alignment=IO_ALIGN, page_header_bytes=HEADER_BYTES)
         # page index -> the slot size its on-disk page header names
         self._page_header_slot_bytes: dict[int, int] = {}
         self._next_seq = 1
@@ -199,9 +201,7 @@ class NvmeTier(Tier):
             # the block may come back after a restart; every read still verifies it
             with self._lock:
                 self.num_write_errors += 1
-            logger.warning(
-                "Could not clear the NVMe slot trailer of %d in %s.", slot.offset, self._files.path_of(slot.offset)
-            )
+            logger.warning("Could not clear the NVMe slot trailer of %d in %s.", slot.offset, self._files.path_of(slot.offset))
         with self._lock:
             self._allocator.free(slot)
             self.num_blocks -= 1
@@ -253,8 +253,7 @@ class NvmeTier(Tier):
             with self._lock:
                 self.num_read_errors += 1
             raise TierUnavailable(
-                f"Reading a block from {self._files.path_of(slot.offset)} failed ({exc.strerror or exc}); "
-                "check that disk's health."
+                f"Reading a block from {self._files.path_of(slot.offset)} failed ({exc.strerror or exc}); check that disk's health."
             ) from exc
         if problem is not None:
             # dst may be memory an engine maps: leave zeros there, never unverified bytes
@@ -341,9 +340,13 @@ class NvmeTier(Tier):
                 if looks_like_slot_trailer(buffer):  # torn or corrupt, not merely empty
                     unusable.append(slot)
                 continue
-            if not trailer.fits(offset, slot_bytes) or trailer.seq <= page.seq or (
-                self.config.verify_on_start
-                and self._read_verified(slot, np.empty(trailer.meta.nbytes, np.uint8), trailer.meta) is not None
+            if (
+                not trailer.fits(offset, slot_bytes)
+                or trailer.seq <= page.seq
+                or (
+                    self.config.verify_on_start
+                    and self._read_verified(slot, np.empty(trailer.meta.nbytes, np.uint8), trailer.meta) is not None
+                )
             ):
                 unusable.append(slot)
                 continue
@@ -357,8 +360,10 @@ class NvmeTier(Tier):
             raise InvalidArgument(f"{slot} is not a slot of this NVMe tier.")
         if meta is None:
             return
-        if len(meta.namespace) != HASH_BYTES or len(meta.block_hash) != HASH_BYTES or (
-            meta.parent_hash is not None and len(meta.parent_hash) != HASH_BYTES
+        if (
+            len(meta.namespace) != HASH_BYTES
+            or len(meta.block_hash) != HASH_BYTES
+            or (meta.parent_hash is not None and len(meta.parent_hash) != HASH_BYTES)
         ):
             raise InvalidArgument(f"A block's namespace and hashes are {HASH_BYTES} bytes each; got {meta}.")
         if self.slot_bytes_for(meta.nbytes) != slot.nbytes:

@@ -70,7 +70,10 @@ class SlotFiles:
         if self.num_pages < num_pages:
             logger.warning(
                 "The disk under %s is full: the NVMe tier holds %d pages of %d bytes instead of %d.",
-                directory, self.num_pages, page_bytes, num_pages,
+                directory,
+                self.num_pages,
+                page_bytes,
+                num_pages,
             )
 
     def path_of(self, offset: int) -> Path:

@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import struct
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import xxhash
@@ -160,9 +161,7 @@ def decode_slot_trailer(buf: memoryview) -> SlotTrailer | None:
 
 
 def encode_page_header(header: PageHeader, out: memoryview) -> None:
-    record = _PAGE.pack(
-        _PAGE_MAGIC, FORMAT_VERSION, 0, header.page_index, header.page_bytes, header.slot_bytes, header.seq
-    )
+    record = _PAGE.pack(_PAGE_MAGIC, FORMAT_VERSION, 0, header.page_index, header.page_bytes, header.slot_bytes, header.seq)
     _write_record(record, out)
 
 

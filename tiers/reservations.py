@@ -14,7 +14,7 @@ Owner: the tier manager's thread (see tiers/manager.py); not thread-safe.
 from __future__ import annotations
 
 import collections
-from typing import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvstore.errors import CapacityExhausted, InvalidArgument, NotFound, ReservationExpired
 from kvstore.events import BlockStored, EventQueue

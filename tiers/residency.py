@@ -14,7 +14,7 @@ Owner: the tier manager's thread (see tiers/manager.py); not thread-safe.
 from __future__ import annotations
 
 import collections
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from kvstore.events import BlockRemoved, EventQueue, RemovalReason
 from kvstore.tiers.base import TierKind

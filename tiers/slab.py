@@ -11,7 +11,8 @@ Owner: the tier that holds the memory; not thread-safe.
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 from kvstore.errors import InvalidArgument
 
@@ -57,9 +58,7 @@ class SlabAllocator:
         if capacity_bytes < page_bytes:
             page_bytes = capacity_bytes // alignment * alignment
         if page_bytes <= page_header_bytes:
-            raise InvalidArgument(
-                f"a tier of {capacity_bytes} bytes is too small for even one {alignment}-byte aligned page."
-            )
+            raise InvalidArgument(f"a tier of {capacity_bytes} bytes is too small for even one {alignment}-byte aligned page.")
         self.alignment = alignment
         self.page_bytes = page_bytes
         self.page_header_bytes = page_header_bytes

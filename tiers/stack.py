@@ -11,7 +11,7 @@ Owner: the tier manager's thread (see tiers/manager.py); not thread-safe.
 from __future__ import annotations
 
 import collections
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 

@@ -34,14 +34,14 @@ from __future__ import annotations
 import abc
 import asyncio
 import itertools
-from typing import Awaitable, Callable, Iterable, Union
+from collections.abc import Awaitable, Callable, Iterable
 
 from kvstore.errors import CorruptBlock, InvalidArgument, TransferFailed
 from kvstore.transport.wire import HEADER_BYTES, FrameHeader
 
 __all__ = ["LANDED", "Buffer", "Channel", "Transport", "ChannelHandler", "MemoryTransport", "split_address"]
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 
 class Channel(abc.ABC):
@@ -177,7 +177,7 @@ class MemoryTransport(Transport):
     """Channels between transports of one process, registered by name."""
 
     scheme = "memory"
-    _listeners: dict[str, "MemoryTransport"] = {}
+    _listeners: dict[str, MemoryTransport] = {}
     _names = itertools.count(1)
 
     def __init__(self) -> None:

@@ -34,7 +34,9 @@ class TransportConfig:
         if self.kind not in TRANSPORT_KINDS:
             raise InvalidArgument(f"transport.kind must be one of {', '.join(TRANSPORT_KINDS)}, got {self.kind!r}.")
         if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
-            raise InvalidArgument(f"transport.ucx_progress_mode must be one of {', '.join(UCX_PROGRESS_MODES)}, got {self.ucx_progress_mode!r}.")
+            raise InvalidArgument(
+                f"transport.ucx_progress_mode must be one of {', '.join(UCX_PROGRESS_MODES)}, got {self.ucx_progress_mode!r}."
+            )
         if not 0 <= self.port <= 65535:
             raise InvalidArgument(f"transport.port must lie in [0, 65535], got {self.port}.")
         if self.window_blocks <= 0 or self.max_peer_channels <= 0:

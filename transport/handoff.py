@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

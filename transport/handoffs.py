@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -51,7 +51,14 @@ class HandoffRegistry:
 
     # -- producer side --------------------------------------------------------------------
     def open_outgoing(
-        self, session: int, transfer_id: str, digest: bytes, hashes: Sequence[BlockHash], parent: BlockHash | None, layout: KVLayout, destination: str
+        self,
+        session: int,
+        transfer_id: str,
+        digest: bytes,
+        hashes: Sequence[BlockHash],
+        parent: BlockHash | None,
+        layout: KVLayout,
+        destination: str,
     ) -> OutgoingHandoff:
         if transfer_id in self.outgoing:
             raise InvalidArgument(f"handoff {transfer_id!r} is already being sent from this node.")

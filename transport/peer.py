@@ -20,7 +20,8 @@ import asyncio
 import collections
 import contextlib
 import logging
-from typing import Any, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -213,4 +214,3 @@ class ChannelPool:
         for channel in list(self._open):
             await self.discard(channel)
         self._idle.clear()
-

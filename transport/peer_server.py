@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 
 class PeerServer:
-    def __init__(self, service: "TransferService") -> None:
+    def __init__(self, service: TransferService) -> None:
         self.service = service
         self.node = service.node
         self.manager = service.node.manager
@@ -147,7 +147,9 @@ class PeerServer:
                 await landing.finish()
                 await channel.recv_bytes(header)
                 if not handoff.all_arrived:
-                    raise TransferFailed(f"handoff {handoff.transfer_id!r} ended with layer {handoff.ready_layers} of {handoff.num_layers}.")
+                    raise TransferFailed(
+                        f"handoff {handoff.transfer_id!r} ended with layer {handoff.ready_layers} of {handoff.num_layers}."
+                    )
                 return
             if header.kind is FrameKind.ERROR:
                 await channel.recv_bytes(header)

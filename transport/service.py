@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -163,7 +163,9 @@ class TransferService:
                 return info.transport_address, match.num_blocks
         return None, have
 
-    async def fetch_from(self, address: str, digest: bytes, hashes: Sequence[BlockHash], parent: BlockHash | None, deadline_s: float) -> int:
+    async def fetch_from(
+        self, address: str, digest: bytes, hashes: Sequence[BlockHash], parent: BlockHash | None, deadline_s: float
+    ) -> int:
         """Fetch a chain segment from ``address`` into reserved local slots; returns how
         many blocks were stored (the verified prefix that arrived before the deadline)."""
         reservation = self.manager.reserve(digest, hashes, parent)
@@ -186,7 +188,9 @@ class TransferService:
                 await self.expect_end(channel)
             self.pool.checkin(address, channel)
         except (TimeoutError, asyncio.TimeoutError):
-            logger.info("remote fetch from %s: %d of %d blocks arrived before the %.3fs deadline", address, len(verified), len(wanted), deadline_s)
+            logger.info(
+                "remote fetch from %s: %d of %d blocks arrived before the %.3fs deadline", address, len(verified), len(wanted), deadline_s
+            )
             if channel is not None:
                 await self.pool.discard(channel)
         except BaseException:
@@ -248,7 +252,9 @@ class TransferService:
             }  # fmt: skip
             reply = await asyncio.wait_for(request(channel, handoff.wire_id, message), self.config.connect_timeout_s)
             if reply.get("accepted") != len(hashes):
-                raise TransferFailed(f"the peer {address} accepted {reply.get('accepted')} of {len(hashes)} blocks of handoff {transfer_id!r}.")
+                raise TransferFailed(
+                    f"the peer {address} accepted {reply.get('accepted')} of {len(hashes)} blocks of handoff {transfer_id!r}."
+                )
         except BaseException as exc:
             if channel is not None:
                 await self.pool.discard(channel)
@@ -328,5 +334,3 @@ class TransferService:
 
     def housekeeping(self) -> None:
         self.handoffs.expire()
-
-

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-
-from typing import Callable
+from collections.abc import Callable
 
 from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, TransferFailed
 from kvstore.transport.base import Buffer, Channel, ChannelHandler

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import os
 import socket
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from kvstore.errors import InvalidArgument, TransferFailed
 from kvstore.transport.base import Buffer, Channel, ChannelHandler, Transport, split_address
@@ -139,7 +139,9 @@ class _TcpChannel(FramedChannel):
                 count = await self._receive([view[got:], header_view[self._header_bytes :]], min(total - got, WAKE_BYTES))
                 if count == 0:
                     self._break("the peer closed the connection")
-                    raise TransferFailed(f"the peer {self.peer} closed the connection {got} bytes into a {total}-byte payload; the frame was dropped.")
+                    raise TransferFailed(
+                        f"the peer {self.peer} closed the connection {got} bytes into a {total}-byte payload; the frame was dropped."
+                    )
                 beyond = max(0, got + count - total)
                 got += count - beyond
                 self._header_bytes += beyond
@@ -221,7 +223,9 @@ class TcpTransport(Transport):
             listener.listen(LISTEN_BACKLOG)
         except OSError as exc:
             listener.close()
-            raise InvalidArgument(f"cannot listen for peers on {host}:{port}: {exc.strerror or exc}; set transport.host / transport.port.") from exc
+            raise InvalidArgument(
+                f"cannot listen for peers on {host}:{port}: {exc.strerror or exc}; set transport.host / transport.port."
+            ) from exc
         self._listener = listener
         self._accepting = asyncio.get_running_loop().create_task(self._accept(listener, on_channel))
         return address_of(self.scheme, host, listener.getsockname()[1])

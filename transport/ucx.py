@@ -41,12 +41,13 @@ import logging
 import os
 import struct
 import threading
-from typing import Any, Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any
 
 from kvstore.errors import CorruptBlock, InvalidArgument, TierUnavailable, TransferFailed
+from kvstore.transport import ucx_progress
 from kvstore.transport.base import LANDED, Buffer, Channel, ChannelHandler, Transport, split_address
 from kvstore.transport.config import TransportConfig
-from kvstore.transport import ucx_progress
 from kvstore.transport.serving import ChannelRegistry, FramedChannel, address_of
 from kvstore.transport.wire import HEADER_BYTES, FrameHeader
 
@@ -93,7 +94,9 @@ def import_ucxx(config: TransportConfig) -> Any:
     try:
         import ucxx
     except (ImportError, OSError) as exc:  # not installed, or libucx would not load
-        raise TierUnavailable(f"the UCX transport needs ucxx ({exc}); install it with pip install 'kvstore[ucx]', or set transport.kind = \"tcp\".") from exc
+        raise TierUnavailable(
+            f"the UCX transport needs ucxx ({exc}); install it with pip install 'kvstore[ucx]', or set transport.kind = \"tcp\"."
+        ) from exc
     if os.environ.get("KVSTORE_TRANSPORT_UCX_PROGRESS_MODE") == "event":
         ucx_progress.install(ucxx)
     _stop_at_exit(ucxx)
@@ -217,7 +220,9 @@ class _UcxChannel(FramedChannel):
         if offset != nbytes or len(self._entries) != count:
             self._entries.clear()
             self._break("a batch message was malformed")
-            raise CorruptBlock(f"a frame batch from {self.peer} does not add up ({count} frames in {nbytes} bytes); the channel is out of step.")
+            raise CorruptBlock(
+                f"a frame batch from {self.peer} does not add up ({count} frames in {nbytes} bytes); the channel is out of step."
+            )
 
     async def recv_payload(self, into: memoryview) -> None:
         landing = await self.start_payload(into)
@@ -341,7 +346,9 @@ class UcxPoster:
         self._ep = endpoint._ep
         self._progress = ucx_progress.progress_for(asyncio.get_running_loop())
         self._futures = endpoint._ctx.enable_python_future  # request.future blocks without them
-        self._send_tag, self._recv_tag = (t if isinstance(t, Tag) else Tag(t) for t in (endpoint._tags["msg_send"], endpoint._tags["msg_recv"]))
+        self._send_tag, self._recv_tag = (
+            t if isinstance(t, Tag) else Tag(t) for t in (endpoint._tags["msg_send"], endpoint._tags["msg_recv"])
+        )
         self._kept: dict[asyncio.Future, tuple[Any, ...]] = {}
 
     def post(self, buffer: Buffer, receive: bool = False) -> asyncio.Future:

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 SPIN_S = 0.002  # measured on loopback: 0.5 ms gave 0.6x the throughput, 2 ms all of it
 TICK_S = 0.1  # what ucxx posts on its own is progressed within this (an idle worker costs 2% of a core at 0.01)
 
-_progress: dict[asyncio.AbstractEventLoop, "EventProgress"] = {}
+_progress: dict[asyncio.AbstractEventLoop, EventProgress] = {}
 
 
 class EventProgress:

@@ -87,7 +87,7 @@ class FrameHeader:
         return body + _CHECK.pack(xxhash.xxh32_intdigest(body))
 
     @classmethod
-    def unpack(cls, data: bytes | bytearray | memoryview) -> "FrameHeader":
+    def unpack(cls, data: bytes | bytearray | memoryview) -> FrameHeader:
         """Parse and check a header; CorruptBlock if anything about it is wrong."""
         if len(data) != HEADER_BYTES:
             raise CorruptBlock(f"a frame header is {HEADER_BYTES} bytes, got {len(data)}.")
@@ -130,7 +130,9 @@ def block_header(
     first_layer: int = 0,
     num_layers: int = 0,
 ) -> FrameHeader:
-    return FrameHeader(FrameKind.BLOCK, transfer_id, namespace, key, len(payload), first_layer, num_layers, sequence, payload_checksum(payload))
+    return FrameHeader(
+        FrameKind.BLOCK, transfer_id, namespace, key, len(payload), first_layer, num_layers, sequence, payload_checksum(payload)
+    )
 
 
 def encode_control(message: dict[str, Any]) -> bytes:

@@ -49,12 +49,21 @@ GB = 1e9
 def _options(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--trace", type=Path, help="a Mooncake-format JSON-lines trace to replay")
-    source.add_argument("--workload", choices=["coding-agent", "mooncake"], default="coding-agent", help="a generated coding-agent workload, or Mooncake's synthetic trace from shared/traces")
-    parser.add_argument("--agent-preset", choices=sorted(AGENT_PRESETS), help="coding-agent size (default: quick with --quick, else default)")
+    source.add_argument(
+        "--workload",
+        choices=["coding-agent", "mooncake"],
+        default="coding-agent",
+        help="a generated coding-agent workload, or Mooncake's synthetic trace from shared/traces",
+    )
+    parser.add_argument(
+        "--agent-preset", choices=sorted(AGENT_PRESETS), help="coding-agent size (default: quick with --quick, else default)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="coding-agent workload seed")
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default="kimi-k2")
-    parser.add_argument("--cache-gb-per-replica", type=float, help="total cache per replica over all tiers (default: 150 for coding-agent, 60 for traces)")
+    parser.add_argument(
+        "--cache-gb-per-replica", type=float, help="total cache per replica over all tiers (default: 150 for coding-agent, 60 for traces)"
+    )
     parser.add_argument("--tier-split", default="0.25,0.25,0.5", help="fractions of the cache in HBM, host and NVMe")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of: {', '.join(POLICIES)}")
     parser.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="leaf-first-lru")
@@ -84,19 +93,29 @@ def main() -> None:
     default_gb = DEFAULT_CACHE_GB["coding-agent" if workload == "coding-agent" else "trace"]
     sizes = _floats(args.sweep, "--sweep") if args.sweep else [args.cache_gb_per_replica or default_gb]
     model = preset(args.model)
-    speeds = dataclasses.replace(model.cost_model(remote_fetch=not args.no_remote_fetch), decode_s_per_request=args.kvstore_decode_s_per_request)
+    speeds = dataclasses.replace(
+        model.cost_model(remote_fetch=not args.no_remote_fetch), decode_s_per_request=args.kvstore_decode_s_per_request
+    )
     reusable = oracle_hit_tokens(requests)
     oracle = sum(reusable) / sum(r.num_prompt_tokens for r in requests)
     largest_prompt = max(r.num_prompt_tokens for r in requests)
-    print(f"workload {workload}: {len(requests):,} requests, {len({r.session_id for r in requests}):,} sessions, "
-          f"{sum(r.num_prompt_tokens for r in requests):,} prompt tokens, largest {largest_prompt:,}; oracle hit rate {oracle:.3f}")
-    print(f"model {model.name}: {model.bytes_per_token:,} KV bytes/token; {args.replicas} replicas; tiers {args.tier_split} (HBM, host, NVMe); eviction {args.eviction}")
+    print(
+        f"workload {workload}: {len(requests):,} requests, {len({r.session_id for r in requests}):,} sessions, "
+        f"{sum(r.num_prompt_tokens for r in requests):,} prompt tokens, largest {largest_prompt:,}; oracle hit rate {oracle:.3f}"
+    )
+    print(
+        f"model {model.name}: {model.bytes_per_token:,} KV bytes/token; {args.replicas} replicas; "
+        f"tiers {args.tier_split} (HBM, host, NVMe); eviction {args.eviction}"
+    )
     report = Report("sim")
     summaries, ttfts = [], {}
     for size in sorted(sizes):
         tier_sizes = TierSizes.split(size * GB, fractions)
         if tier_sizes.hbm_bytes < largest_prompt * model.bytes_per_token:
-            print(f"note: at {size:g} GB/replica the HBM tier holds {tier_sizes.hbm_bytes // model.bytes_per_token:,} tokens; longer prompts are cached only in part")
+            print(
+                f"note: at {size:g} GB/replica the HBM tier holds {tier_sizes.hbm_bytes // model.bytes_per_token:,} tokens; "
+                "longer prompts are cached only in part"
+            )
         config = SimConfig(model, tier_sizes, args.replicas, args.eviction, remote_fetch=not args.no_remote_fetch)
         at_size = []
         for name in policies:
@@ -108,13 +127,24 @@ def main() -> None:
         summaries.extend(at_size)
     add_ratios(report, summaries, oracle_target=workload == "coding-agent")
     for s in summaries:
-        report.results.append({
-            "workload": s.workload, "policy": s.policy, "model": s.model, "cache_gb_per_replica": s.cache_gb_per_replica,
-            "hit_rate": round(s.hit_rate, 4), "oracle_hit_rate": round(s.oracle_hit_rate, 4),
-            "spread_std": round(s.spread_std, 4), "spread_cv": round(s.spread_cv, 4), "mix_cv": round(s.mix_cv, 4), "load_cv": round(s.load_cv, 4),
-            "ttft_p50_s": round(s.ttft_p50_s, 4), "ttft_p99_s": round(s.ttft_p99_s, 4),
-            "throughput_rps": round(s.throughput_rps, 4), "session_moves": s.session_moves,
-        })
+        report.results.append(
+            {
+                "workload": s.workload,
+                "policy": s.policy,
+                "model": s.model,
+                "cache_gb_per_replica": s.cache_gb_per_replica,
+                "hit_rate": round(s.hit_rate, 4),
+                "oracle_hit_rate": round(s.oracle_hit_rate, 4),
+                "spread_std": round(s.spread_std, 4),
+                "spread_cv": round(s.spread_cv, 4),
+                "mix_cv": round(s.mix_cv, 4),
+                "load_cv": round(s.load_cv, 4),
+                "ttft_p50_s": round(s.ttft_p50_s, 4),
+                "ttft_p99_s": round(s.ttft_p99_s, 4),
+                "throughput_rps": round(s.throughput_rps, 4),
+                "session_moves": s.session_moves,
+            }
+        )
     run_config = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
     json_path = args.out / f"{workload}.json"
     write_json(json_path, run_config, summaries)

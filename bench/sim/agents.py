@@ -36,9 +36,9 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_right
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Iterator, Mapping
 
 import numpy as np
 import xxhash
@@ -136,9 +136,7 @@ class CodingAgentConfig:
         if self.num_turns.low < 1:
             raise InvalidArgument("num_turns.low must be at least 1.")
         # A fresh or compacted context plus one answer must fit, or compaction cannot help.
-        largest_fresh = max(v.shared_prefix_tokens for v in self.variants) + max(
-            self.task_tokens.high, self.summary_tokens.high
-        )
+        largest_fresh = max(v.shared_prefix_tokens for v in self.variants) + max(self.task_tokens.high, self.summary_tokens.high)
         if largest_fresh + self.output_tokens.high > self.context_window_tokens:
             raise InvalidArgument(
                 f"context_window_tokens={self.context_window_tokens} cannot hold a fresh context "
@@ -221,9 +219,7 @@ class CodingAgentWorkload:
         # Ties (none in practice: times are continuous) break by session index.
         return heapq.merge(*sessions, key=lambda request: request.arrival_s)
 
-    def _session(
-        self, session_id: str, start_s: float, variant: AgentVariant, rng: np.random.Generator
-    ) -> Iterator[Request]:
+    def _session(self, session_id: str, start_s: float, variant: AgentVariant, rng: np.random.Generator) -> Iterator[Request]:
         config = self.config
         num_turns = config.num_turns.sample(rng)
         context = self._fresh_context(variant, config.task_tokens.sample(rng), rng)
@@ -243,13 +239,9 @@ class CodingAgentWorkload:
             # The answer and the tool result enter the context as one segment: the split
             # between them never matters to a block key.
             context.append(_draw_seed(rng), num_output_tokens + config.tool_result_tokens.sample(rng))
-            arrival_s += num_output_tokens / config.decode_tokens_per_s + rng.exponential(
-                config.tool_time_mean_s
-            )
+            arrival_s += num_output_tokens / config.decode_tokens_per_s + rng.exponential(config.tool_time_mean_s)
 
-    def _fresh_context(
-        self, variant: AgentVariant, num_own_tokens: int, rng: np.random.Generator
-    ) -> _Context:
+    def _fresh_context(self, variant: AgentVariant, num_own_tokens: int, rng: np.random.Generator) -> _Context:
         """The variant's shared prompt followed by this session's own task or summary."""
         context = _Context(self.config.block_tokens)
         context.append(_variant_seed(variant), variant.shared_prefix_tokens)

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from bench.sim.models import ModelPreset
 from bench.sim.policies import Fleet, RoutingPolicy, make_policy
@@ -219,4 +219,3 @@ def _outcome(job: Job) -> RequestOutcome:
         hit_blocks=tuple(job.hits),
         num_computed_tokens=job.new_tokens,
     )
-

@@ -31,8 +31,8 @@ from __future__ import annotations
 import abc
 import bisect
 import collections
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import xxhash
 
@@ -114,7 +114,9 @@ class SessionHash(RoutingPolicy):
     name = "session-hash"
 
     def __init__(self, num_replicas: int, virtual_nodes: int = VIRTUAL_NODES) -> None:
-        ring = sorted((xxhash.xxh3_64_intdigest(f"{node_id(k)}#{v}".encode()), k) for k in range(num_replicas) for v in range(virtual_nodes))
+        ring = sorted(
+            (xxhash.xxh3_64_intdigest(f"{node_id(k)}#{v}".encode()), k) for k in range(num_replicas) for v in range(virtual_nodes)
+        )
         self._points = [point for point, _ in ring]
         self._owners = [owner for _, owner in ring]
 

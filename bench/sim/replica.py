@@ -21,8 +21,8 @@ Owner: the simulation loop (engine.py); not thread-safe.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from bench.sim.workload import Request
 from kvstore.errors import CapacityExhausted, InvalidArgument
@@ -175,7 +175,9 @@ class Replica:
         self._waiting_new_tokens -= job.expected_new_tokens
         request, manager, namespace = job.request, self.manager, self._namespace
         if request.block_tokens != self._block_tokens:
-            raise InvalidArgument(f"a request of {request.block_tokens}-token blocks reached a replica keyed by {self._block_tokens}-token blocks.")
+            raise InvalidArgument(
+                f"a request of {request.block_tokens}-token blocks reached a replica keyed by {self._block_tokens}-token blocks."
+            )
         tiers = manager.lookup(namespace, request.block_hashes)
         lease = manager.acquire(namespace, request.block_hashes)
         job.lease_id = lease.id
@@ -225,5 +227,7 @@ class Replica:
         if len(peer_tiers) <= len(local):
             return 0
         mine = NodeMatch(self.node_id, tuple(local))
-        plan = estimate(Candidate(self.node_id), mine, request.num_prompt_tokens, request.block_tokens, self._block_bytes, self.speeds, len(peer_tiers))
+        plan = estimate(
+            Candidate(self.node_id), mine, request.num_prompt_tokens, request.block_tokens, self._block_bytes, self.speeds, len(peer_tiers)
+        )
         return max(0, plan.cached_tokens // request.block_tokens - len(local))

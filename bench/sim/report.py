@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -132,13 +132,52 @@ def _session_moves(outcomes) -> int:
 
 
 def print_summaries(report: Report, title: str, summaries: Sequence[PolicySummary]) -> None:
-    columns = ["policy", "hit %", "hbm %", "host %", "nvme %", "remote %", "/oracle", "prefill tok/req", "TTFT p50 s", "TTFT p99 s", "req/s", "replica hit std", "hit CV", "mix CV", "load CV", "moves", "sim s"]
+    columns = [
+        "policy",
+        "hit %",
+        "hbm %",
+        "host %",
+        "nvme %",
+        "remote %",
+        "/oracle",
+        "prefill tok/req",
+        "TTFT p50 s",
+        "TTFT p99 s",
+        "req/s",
+        "replica hit std",
+        "hit CV",
+        "mix CV",
+        "load CV",
+        "moves",
+        "sim s",
+    ]
     rows = []
     for s in summaries:
         tiers = [100 * s.hit_rate_by_tier[t.value] for t in HIT_TIERS]
-        rows.append([s.policy, 100 * s.hit_rate, *tiers, s.hit_rate / s.oracle_hit_rate if s.oracle_hit_rate else 0.0, round(s.prefill_tokens_per_request), s.ttft_p50_s, s.ttft_p99_s, s.throughput_rps, s.spread_std, s.spread_cv, s.mix_cv, s.load_cv, s.session_moves, s.wall_s])
+        rows.append(
+            [
+                s.policy,
+                100 * s.hit_rate,
+                *tiers,
+                s.hit_rate / s.oracle_hit_rate if s.oracle_hit_rate else 0.0,
+                round(s.prefill_tokens_per_request),
+                s.ttft_p50_s,
+                s.ttft_p99_s,
+                s.throughput_rps,
+                s.spread_std,
+                s.spread_cv,
+                s.mix_cv,
+                s.load_cv,
+                s.session_moves,
+                s.wall_s,
+            ]
+        )
     report.print_table(title, columns, rows)
-    report.print_table("requests per replica", ["policy", *(f"r{k}" for k in range(len(summaries[0].replica_requests)))], [[s.policy, *s.replica_requests] for s in summaries])
+    report.print_table(
+        "requests per replica",
+        ["policy", *(f"r{k}" for k in range(len(summaries[0].replica_requests)))],
+        [[s.policy, *s.replica_requests] for s in summaries],
+    )
 
 
 def add_ratios(report: Report, summaries: Sequence[PolicySummary], oracle_target: bool) -> None:
@@ -216,7 +255,11 @@ def plot(out_dir: Path, workload: str, summaries: Sequence[PolicySummary], ttfts
         axes.bar(np.arange(len(rates)) + position * width, rates, width, label=s.policy)
     num_replicas = len(at_largest[0].replica_hit_rates)
     axes.set_xticks(np.arange(num_replicas) + width * (len(at_largest) - 1) / 2, [str(k) for k in range(num_replicas)])
-    axes.set(xlabel="replica", ylabel="token hit rate", title=f"{workload}: per-replica hit rate at {sizes[-1]:g} GB/replica (idle replicas at 0)")
+    axes.set(
+        xlabel="replica",
+        ylabel="token hit rate",
+        title=f"{workload}: per-replica hit rate at {sizes[-1]:g} GB/replica (idle replicas at 0)",
+    )
     axes.legend(fontsize="small")
     written.append(_save(plt, figure, out_dir / f"{workload}-replica-hit-rates.png"))
     return written

@@ -42,8 +42,8 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Container, Iterable, Iterator, Sequence
 
 import xxhash
 
@@ -81,9 +81,7 @@ class TraceFormat:
         if self.min_shared_blocks < 1:
             raise InvalidArgument(f"min_shared_blocks must be at least 1, got {self.min_shared_blocks}.")
         if not 0.0 <= self.continuation_fraction <= 1.0:
-            raise InvalidArgument(
-                f"continuation_fraction must lie in [0, 1], got {self.continuation_fraction}."
-            )
+            raise InvalidArgument(f"continuation_fraction must lie in [0, 1], got {self.continuation_fraction}.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,19 +107,13 @@ def read_trace(path: str | os.PathLike[str], trace_format: TraceFormat = TraceFo
         return parse_trace_lines(lines, trace_format, source=os.fspath(path))
 
 
-def parse_trace_lines(
-    lines: Iterable[str], trace_format: TraceFormat = TraceFormat(), source: str = "<trace>"
-) -> list[Request]:
+def parse_trace_lines(lines: Iterable[str], trace_format: TraceFormat = TraceFormat(), source: str = "<trace>") -> list[Request]:
     """Parse trace lines into `Request`s, sorted by arrival (file order among equal times).
 
     Blank lines are skipped; any other malformed line raises `TraceFormatError` naming
     ``source`` and the 1-based line number.
     """
-    parsed = [
-        _parse_line(text, line_no, trace_format, source)
-        for line_no, text in enumerate(lines, start=1)
-        if text.strip()
-    ]
+    parsed = [_parse_line(text, line_no, trace_format, source) for line_no, text in enumerate(lines, start=1) if text.strip()]
     # Stable: the README promises order within a conversation; sorting must keep it.
     parsed.sort(key=lambda line: line.arrival_s)
     return _to_requests(parsed, trace_format)
@@ -207,9 +199,7 @@ def _chain_keys(hash_ids: Sequence[int]) -> list[BlockHash]:
     return keys
 
 
-def _continued_session(
-    keys: Sequence[BlockHash], marks: dict[BlockHash, _SessionMark], trace_format: TraceFormat
-) -> str | None:
+def _continued_session(keys: Sequence[BlockHash], marks: dict[BlockHash, _SessionMark], trace_format: TraceFormat) -> str | None:
     num_shared = _leading_hits(keys, marks)
     if num_shared < trace_format.min_shared_blocks:
         return None
@@ -235,8 +225,7 @@ def _parse_line(text: str, line_no: int, trace_format: TraceFormat, source: str)
         raise TraceFormatError(f"{where}: timestamp must be a finite number >= 0, got {timestamp}.")
     if num_prompt_tokens <= 0 or num_output_tokens < 0:
         raise TraceFormatError(
-            f"{where}: input_length must be > 0 and output_length >= 0, "
-            f"got {num_prompt_tokens} and {num_output_tokens}."
+            f"{where}: input_length must be > 0 and output_length >= 0, got {num_prompt_tokens} and {num_output_tokens}."
         )
     for block_id in hash_ids:
         if isinstance(block_id, bool) or not isinstance(block_id, int) or not 0 <= block_id <= _MAX_BLOCK_ID:

@@ -8,7 +8,7 @@ grpcurl can probe a daemon without holding its secret.
 from __future__ import annotations
 
 import hmac
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -58,7 +58,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             value = value.decode("latin-1")
         if len(values) > 1 or not value.lower().startswith(_SCHEME):
             return "the authorization metadata must be exactly one 'Bearer <token>'."
-        offered = value[len(_SCHEME):].strip().encode()
+        offered = value[len(_SCHEME) :].strip().encode()
         # compare_digest takes as long for a near miss as for a wild guess
         if not hmac.compare_digest(offered, self._expected):
             return "the bearer token is not this daemon's token."

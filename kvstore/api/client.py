@@ -10,8 +10,9 @@ whose message is the server's sentence — instead of ``grpc.RpcError``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -34,7 +35,7 @@ class ApiError(KVStoreError):
         self.code = code
 
 
-def connect(address: str, token: str | None = None, timeout: float = 10.0) -> "Client":
+def connect(address: str, token: str | None = None, timeout: float = 10.0) -> Client:
     """A client of the daemon at ``address`` (``host:port``). Connects lazily: an
     unreachable daemon shows as an ApiError with code UNAVAILABLE on the first call."""
     if timeout <= 0:
@@ -68,7 +69,7 @@ class Client:
     def close(self) -> None:
         self._raw_channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

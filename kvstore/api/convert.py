@@ -9,8 +9,8 @@ a sentence naming the field, which the servicers turn into INVALID_ARGUMENT.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.drain import MoveReport
@@ -111,8 +111,7 @@ def tier_from_proto(value: int, field: str = "tier") -> TierKind:
 def namespace_id(raw: bytes, field: str = "namespace_id") -> bytes:
     if len(raw) != NAMESPACE_DIGEST_BYTES:
         raise InvalidArgument(
-            f"{field} has {len(raw)} bytes; a namespace id is the {NAMESPACE_DIGEST_BYTES}-byte digest "
-            "that RegisterNamespace returns."
+            f"{field} has {len(raw)} bytes; a namespace id is the {NAMESPACE_DIGEST_BYTES}-byte digest that RegisterNamespace returns."
         )
     return bytes(raw)
 
@@ -128,9 +127,7 @@ def block_hashes(raw: Sequence[bytes], limits: Limits, field: str = "block_hashe
     hashes = list(raw)
     for index, block_hash in enumerate(hashes):
         if len(block_hash) != HASH_BYTES:
-            raise InvalidArgument(
-                f"{field}[{index}] has {len(block_hash)} bytes; a block hash is a {HASH_BYTES}-byte XXH3-128 digest."
-            )
+            raise InvalidArgument(f"{field}[{index}] has {len(block_hash)} bytes; a block hash is a {HASH_BYTES}-byte XXH3-128 digest.")
     return hashes  # type: ignore[return-value]  # checked above: every element is a BlockHash
 
 

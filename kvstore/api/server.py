@@ -50,7 +50,9 @@ class _Health(health.aio.HealthServicer):
             self._server_status[service] = health_pb2.HealthCheckResponse.SERVING
 
 
-def create_grpc_server(node: Node, router: Router, config: ServerConfig, transfers: TransferService | None = None) -> tuple[grpc.aio.Server, int]:
+def create_grpc_server(
+    node: Node, router: Router, config: ServerConfig, transfers: TransferService | None = None
+) -> tuple[grpc.aio.Server, int]:
     """An aio server bound to ``config.grpc_address`` (port 0: a free port), not started.
 
     Returns the server and the port it is bound to. Must be called on the event loop that

@@ -15,13 +15,15 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 
 from kvstore.api import convert
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.drain import drain, warm
 from kvstore.errors import (
     CapacityExhausted,
     CorruptBlock,
@@ -33,7 +35,6 @@ from kvstore.errors import (
     TransferFailed,
     UnknownNamespace,
 )
-from kvstore.drain import drain, warm
 from kvstore.hashing import BlockHash
 from kvstore.node import Node
 from kvstore.router import Router
@@ -232,6 +233,5 @@ class AdminServicer(_NodeServicer, pb_grpc.AdminServicer):
 
     def _transfers(self) -> TransferService:
         if self.transfers is None:
-            raise InvalidArgument("this daemon runs without a transport (transport.kind = \"off\"); it cannot move blocks to peers.")
+            raise InvalidArgument('this daemon runs without a transport (transport.kind = "off"); it cannot move blocks to peers.')
         return self.transfers
-

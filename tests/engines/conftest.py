@@ -5,7 +5,6 @@ loads this file too while it walks tests/."""
 from __future__ import annotations
 
 import pytest
-
 from daemon_harness import daemons
 
 

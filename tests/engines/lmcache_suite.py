@@ -21,19 +21,27 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend import CreateStorageBackends
+from test_manager_nvme import flip_a_byte_of
 
 from kvstore.client import KVStoreClient
 from kvstore.connectors.engine_keys import engine_key_hash
 from kvstore.connectors.lmcache import KVStoreRemoteConnector
-from test_manager_nvme import flip_a_byte_of
 
 LAYERS, CHUNK, HEADS, HEAD_DIM = 4, 256, 2, 64
 MODEL = "tiny-llama"
 
 
 def metadata(worker_id: int = 0, world_size: int = 1, model: str = MODEL) -> LMCacheMetadata:
-    return LMCacheMetadata(model_name=model, world_size=world_size, local_world_size=world_size, worker_id=worker_id, local_worker_id=worker_id,
-                           kv_dtype=torch.bfloat16, kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD_DIM), chunk_size=CHUNK)  # fmt: skip
+    return LMCacheMetadata(
+        model_name=model,
+        world_size=world_size,
+        local_world_size=world_size,
+        worker_id=worker_id,
+        local_worker_id=worker_id,
+        kv_dtype=torch.bfloat16,
+        kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD_DIM),
+        chunk_size=CHUNK,
+    )
 
 
 class Engine:
@@ -151,7 +159,10 @@ def test_an_absent_key_is_a_miss_and_ends_the_prefix(daemon, engine):
     got = e.remote.batched_get_blocking(keys)
     assert torch.equal(got[0].tensor, first) and got[1] is None and got[2] is None
     assert e.remote.get_blocking(keys[1]) is None
-    assert e.run(e.remote.batched_get_non_blocking("lookup-2", keys)) and len(e.run(e.remote.batched_get_non_blocking("lookup-3", keys[1:]))) == 0
+    assert (
+        e.run(e.remote.batched_get_non_blocking("lookup-2", keys))
+        and len(e.run(e.remote.batched_get_non_blocking("lookup-3", keys[1:]))) == 0
+    )
 
 
 def test_a_corrupted_chunk_is_a_miss_not_wrong_data(daemon, engine):

@@ -41,17 +41,49 @@ def mha_pool(layout: str) -> MHATokenToKVPoolHost:
     k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
     v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
     buffers = KVBuffers(k=k, v=v, k_data_ptrs=_pointers(k), v_data_ptrs=_pointers(v), layout=KVBufferLayout.NHD)
-    info = MHABufferInfo(buffers=buffers, page_size=PAGE, head_num=HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM, dtype=torch.bfloat16, device=torch.device("cpu"))
-    pool = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu", device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS)
+    info = MHABufferInfo(
+        buffers=buffers,
+        page_size=PAGE,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        v_head_dim=HEAD_DIM,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    pool = MHATokenToKVPoolHost(
+        info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu", device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS
+    )
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape))
     return pool
 
 
 def mla_pool(layout: str) -> MLATokenToKVPoolHost:
     rows = tuple(torch.zeros(DEVICE_TOKENS, 1, MLA_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
-    info = MLABufferInfo(buffers=rows, data_ptrs=_pointers(rows), layer_indices=tuple(range(LAYERS)), device_layer_num=LAYERS, page_size=PAGE,
-                         kv_lora_rank=48, qk_rope_head_dim=16, kv_cache_dim=MLA_DIM, dtype=torch.bfloat16, device=torch.device("cpu"))  # fmt: skip
-    pool = MLATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu", device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS, target_layer_num=LAYERS)
+    info = MLABufferInfo(
+        buffers=rows,
+        data_ptrs=_pointers(rows),
+        layer_indices=tuple(range(LAYERS)),
+        device_layer_num=LAYERS,
+        page_size=PAGE,
+        kv_lora_rank=48,
+        qk_rope_head_dim=16,
+        kv_cache_dim=MLA_DIM,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    pool = MLATokenToKVPoolHost(
+        info,
+        2.0,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=DEVICE_TOKENS,
+        start_layer=0,
+        end_layer=LAYERS,
+        target_layer_num=LAYERS,
+    )
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape))
     return pool
 
@@ -204,7 +236,9 @@ def test_a_batch_is_chained_to_the_pages_sglang_names_before_it(daemon):
     store = backend(d, mha_pool("page_first"))
     assert store.batch_set_v1(["c0", "c1"], slots_of([1, 2])) == [True, True]
     assert store.batch_set_v1(["c2"], slots_of([3]), HiCacheStorageExtraInfo(prefix_keys=["c0", "c1"])) == [True]
-    listing = subprocess.run([sys.executable, "-m", "kvstore", "--address", d.address, "--json", "ls"], capture_output=True, text=True, check=True)
+    listing = subprocess.run(
+        [sys.executable, "-m", "kvstore", "--address", d.address, "--json", "ls"], capture_output=True, text=True, check=True
+    )
     parents = {b["hash"]: b["parent"] for b in json.loads(listing.stdout)["blocks"]}
     assert parents[engine_key_hash("c2").hex()] == engine_key_hash("c1").hex()
     assert parents[engine_key_hash("c1").hex()] == engine_key_hash("c0").hex()

@@ -1,9 +1,11 @@
-from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -15,6 +17,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_HOST: _ClassVar[Tier]
     TIER_NVME: _ClassVar[Tier]
     TIER_REMOTE: _ClassVar[Tier]
+
 TIER_UNSPECIFIED: Tier
 TIER_GPU: Tier
 TIER_HBM: Tier
@@ -26,13 +29,13 @@ class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, ids: _Iterable[int] | None = ...) -> None: ...
 
 class BlockHashes(_message.Message):
     __slots__ = ("hashes",)
     HASHES_FIELD_NUMBER: _ClassVar[int]
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, hashes: _Iterable[bytes] | None = ...) -> None: ...
 
 class TierCount(_message.Message):
     __slots__ = ("tier", "blocks")
@@ -40,7 +43,7 @@ class TierCount(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     blocks: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, tier: Tier | str | None = ..., blocks: int | None = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "kv_planes", "inner_order")
@@ -58,7 +61,16 @@ class KVLayout(_message.Message):
     dtype: str
     kv_planes: int
     inner_order: str
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_planes: _Optional[int] = ..., inner_order: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        num_layers: int | None = ...,
+        num_kv_heads: int | None = ...,
+        head_dim: int | None = ...,
+        block_size: int | None = ...,
+        dtype: str | None = ...,
+        kv_planes: int | None = ...,
+        inner_order: str | None = ...,
+    ) -> None: ...
 
 class RegisterNamespaceRequest(_message.Message):
     __slots__ = ("model_id", "layout", "tp_rank", "tp_size", "pp_rank", "pp_size", "tenant_salt")
@@ -76,7 +88,16 @@ class RegisterNamespaceRequest(_message.Message):
     pp_rank: int
     pp_size: int
     tenant_salt: str
-    def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., tenant_salt: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        model_id: str | None = ...,
+        layout: KVLayout | _Mapping | None = ...,
+        tp_rank: int | None = ...,
+        tp_size: int | None = ...,
+        pp_rank: int | None = ...,
+        pp_size: int | None = ...,
+        tenant_salt: str | None = ...,
+    ) -> None: ...
 
 class RegisterNamespaceResponse(_message.Message):
     __slots__ = ("namespace_id", "block_bytes")
@@ -84,7 +105,7 @@ class RegisterNamespaceResponse(_message.Message):
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     block_bytes: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, namespace_id: bytes | None = ..., block_bytes: int | None = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace_id", "token_ids", "block_hashes")
@@ -94,7 +115,12 @@ class LookupRequest(_message.Message):
     namespace_id: bytes
     token_ids: TokenIds
     block_hashes: BlockHashes
-    def __init__(self, namespace_id: _Optional[bytes] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., block_hashes: _Optional[_Union[BlockHashes, _Mapping]] = ...) -> None: ...
+    def __init__(
+        self,
+        namespace_id: bytes | None = ...,
+        token_ids: TokenIds | _Mapping | None = ...,
+        block_hashes: BlockHashes | _Mapping | None = ...,
+    ) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("matched_blocks", "matched_tokens", "tiers", "tier_counts")
@@ -106,7 +132,13 @@ class LookupResponse(_message.Message):
     matched_tokens: int
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     tier_counts: _containers.RepeatedCompositeFieldContainer[TierCount]
-    def __init__(self, matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., tier_counts: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ...) -> None: ...
+    def __init__(
+        self,
+        matched_blocks: int | None = ...,
+        matched_tokens: int | None = ...,
+        tiers: _Iterable[Tier | str] | None = ...,
+        tier_counts: _Iterable[TierCount | _Mapping] | None = ...,
+    ) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("namespace_id", "block_hashes", "parent_hash", "payloads")
@@ -118,13 +150,19 @@ class PutRequest(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_hash: bytes
     payloads: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., payloads: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(
+        self,
+        namespace_id: bytes | None = ...,
+        block_hashes: _Iterable[bytes] | None = ...,
+        parent_hash: bytes | None = ...,
+        payloads: _Iterable[bytes] | None = ...,
+    ) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("num_stored",)
     NUM_STORED_FIELD_NUMBER: _ClassVar[int]
     num_stored: int
-    def __init__(self, num_stored: _Optional[int] = ...) -> None: ...
+    def __init__(self, num_stored: int | None = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("namespace_id", "block_hashes")
@@ -132,13 +170,13 @@ class GetRequest(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, namespace_id: bytes | None = ..., block_hashes: _Iterable[bytes] | None = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("payloads",)
     PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     payloads: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, payloads: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, payloads: _Iterable[bytes] | None = ...) -> None: ...
 
 class NodesRequest(_message.Message):
     __slots__ = ()
@@ -154,13 +192,19 @@ class NodeInfo(_message.Message):
     grpc_address: str
     transport_address: str
     kind: str
-    def __init__(self, node_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., transport_address: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        node_id: str | None = ...,
+        grpc_address: str | None = ...,
+        transport_address: str | None = ...,
+        kind: str | None = ...,
+    ) -> None: ...
 
 class NodesResponse(_message.Message):
     __slots__ = ("nodes",)
     NODES_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+    def __init__(self, nodes: _Iterable[NodeInfo | _Mapping] | None = ...) -> None: ...
 
 class MatchRequest(_message.Message):
     __slots__ = ("namespace_id", "token_ids", "block_hashes", "node_ids")
@@ -172,7 +216,13 @@ class MatchRequest(_message.Message):
     token_ids: TokenIds
     block_hashes: BlockHashes
     node_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., block_hashes: _Optional[_Union[BlockHashes, _Mapping]] = ..., node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(
+        self,
+        namespace_id: bytes | None = ...,
+        token_ids: TokenIds | _Mapping | None = ...,
+        block_hashes: BlockHashes | _Mapping | None = ...,
+        node_ids: _Iterable[str] | None = ...,
+    ) -> None: ...
 
 class NodeMatch(_message.Message):
     __slots__ = ("node_id", "matched_blocks", "matched_tokens", "tier_counts")
@@ -184,13 +234,19 @@ class NodeMatch(_message.Message):
     matched_blocks: int
     matched_tokens: int
     tier_counts: _containers.RepeatedCompositeFieldContainer[TierCount]
-    def __init__(self, node_id: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., tier_counts: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ...) -> None: ...
+    def __init__(
+        self,
+        node_id: str | None = ...,
+        matched_blocks: int | None = ...,
+        matched_tokens: int | None = ...,
+        tier_counts: _Iterable[TierCount | _Mapping] | None = ...,
+    ) -> None: ...
 
 class MatchResponse(_message.Message):
     __slots__ = ("nodes",)
     NODES_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeMatch]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeMatch, _Mapping]]] = ...) -> None: ...
+    def __init__(self, nodes: _Iterable[NodeMatch | _Mapping] | None = ...) -> None: ...
 
 class NodeLoad(_message.Message):
     __slots__ = ("queued_tokens", "active_requests")
@@ -198,7 +254,7 @@ class NodeLoad(_message.Message):
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     queued_tokens: int
     active_requests: int
-    def __init__(self, queued_tokens: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
+    def __init__(self, queued_tokens: int | None = ..., active_requests: int | None = ...) -> None: ...
 
 class RouteCandidate(_message.Message):
     __slots__ = ("node_id", "load")
@@ -206,7 +262,7 @@ class RouteCandidate(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     load: NodeLoad
-    def __init__(self, node_id: _Optional[str] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
+    def __init__(self, node_id: str | None = ..., load: NodeLoad | _Mapping | None = ...) -> None: ...
 
 class RouteRequest(_message.Message):
     __slots__ = ("namespace_id", "token_ids", "session_id", "candidates")
@@ -218,7 +274,13 @@ class RouteRequest(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     session_id: str
     candidates: _containers.RepeatedCompositeFieldContainer[RouteCandidate]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ...) -> None: ...
+    def __init__(
+        self,
+        namespace_id: bytes | None = ...,
+        token_ids: _Iterable[int] | None = ...,
+        session_id: str | None = ...,
+        candidates: _Iterable[RouteCandidate | _Mapping] | None = ...,
+    ) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("node_id", "expected_cached_tokens", "expected_cost_s", "reason")
@@ -230,7 +292,13 @@ class RouteResponse(_message.Message):
     expected_cached_tokens: int
     expected_cost_s: float
     reason: str
-    def __init__(self, node_id: _Optional[str] = ..., expected_cached_tokens: _Optional[int] = ..., expected_cost_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        node_id: str | None = ...,
+        expected_cached_tokens: int | None = ...,
+        expected_cost_s: float | None = ...,
+        reason: str | None = ...,
+    ) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -248,17 +316,36 @@ class TierStats(_message.Message):
     used_bytes: int
     num_blocks: int
     occupancy: float
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., occupancy: _Optional[float] = ...) -> None: ...
+    def __init__(
+        self,
+        tier: Tier | str | None = ...,
+        capacity_bytes: int | None = ...,
+        used_bytes: int | None = ...,
+        num_blocks: int | None = ...,
+        occupancy: float | None = ...,
+    ) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "uptime_s", "tiers", "failed_tiers", "num_blocks", "num_namespaces", "num_leases", "num_reservations", "num_sessions", "counters")
+    __slots__ = (
+        "node_id",
+        "uptime_s",
+        "tiers",
+        "failed_tiers",
+        "num_blocks",
+        "num_namespaces",
+        "num_leases",
+        "num_reservations",
+        "num_sessions",
+        "counters",
+    )
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: int
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+        def __init__(self, key: str | None = ..., value: int | None = ...) -> None: ...
+
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -279,7 +366,19 @@ class StatsResponse(_message.Message):
     num_reservations: int
     num_sessions: int
     counters: _containers.ScalarMap[str, int]
-    def __init__(self, node_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., failed_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., num_blocks: _Optional[int] = ..., num_namespaces: _Optional[int] = ..., num_leases: _Optional[int] = ..., num_reservations: _Optional[int] = ..., num_sessions: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    def __init__(
+        self,
+        node_id: str | None = ...,
+        uptime_s: float | None = ...,
+        tiers: _Iterable[TierStats | _Mapping] | None = ...,
+        failed_tiers: _Iterable[Tier | str] | None = ...,
+        num_blocks: int | None = ...,
+        num_namespaces: int | None = ...,
+        num_leases: int | None = ...,
+        num_reservations: int | None = ...,
+        num_sessions: int | None = ...,
+        counters: _Mapping[str, int] | None = ...,
+    ) -> None: ...
 
 class BlockInfo(_message.Message):
     __slots__ = ("namespace_id", "block_hash", "parent_hash", "tier", "nbytes", "age_s", "idle_s", "pinned", "leases")
@@ -301,7 +400,18 @@ class BlockInfo(_message.Message):
     idle_s: float
     pinned: bool
     leases: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., nbytes: _Optional[int] = ..., age_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., pinned: bool = ..., leases: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        namespace_id: bytes | None = ...,
+        block_hash: bytes | None = ...,
+        parent_hash: bytes | None = ...,
+        tier: Tier | str | None = ...,
+        nbytes: int | None = ...,
+        age_s: float | None = ...,
+        idle_s: float | None = ...,
+        pinned: bool = ...,
+        leases: int | None = ...,
+    ) -> None: ...
 
 class ListBlocksRequest(_message.Message):
     __slots__ = ("namespace_id", "tier", "min_idle_s", "page_size", "page_token")
@@ -315,7 +425,14 @@ class ListBlocksRequest(_message.Message):
     min_idle_s: float
     page_size: int
     page_token: str
-    def __init__(self, namespace_id: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., min_idle_s: _Optional[float] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        namespace_id: bytes | None = ...,
+        tier: Tier | str | None = ...,
+        min_idle_s: float | None = ...,
+        page_size: int | None = ...,
+        page_token: str | None = ...,
+    ) -> None: ...
 
 class ListBlocksResponse(_message.Message):
     __slots__ = ("blocks", "next_page_token", "total")
@@ -325,7 +442,12 @@ class ListBlocksResponse(_message.Message):
     blocks: _containers.RepeatedCompositeFieldContainer[BlockInfo]
     next_page_token: str
     total: int
-    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        blocks: _Iterable[BlockInfo | _Mapping] | None = ...,
+        next_page_token: str | None = ...,
+        total: int | None = ...,
+    ) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("namespace_id", "block_hashes", "tier", "min_idle_s", "all")
@@ -339,7 +461,14 @@ class EvictRequest(_message.Message):
     tier: Tier
     min_idle_s: float
     all: bool
-    def __init__(self, namespace_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[Tier, str]] = ..., min_idle_s: _Optional[float] = ..., all: bool = ...) -> None: ...
+    def __init__(
+        self,
+        namespace_id: bytes | None = ...,
+        block_hashes: _Iterable[bytes] | None = ...,
+        tier: Tier | str | None = ...,
+        min_idle_s: float | None = ...,
+        all: bool = ...,
+    ) -> None: ...
 
 class EvictResponse(_message.Message):
     __slots__ = ("evicted", "skipped")
@@ -347,7 +476,7 @@ class EvictResponse(_message.Message):
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     evicted: int
     skipped: int
-    def __init__(self, evicted: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
+    def __init__(self, evicted: int | None = ..., skipped: int | None = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("namespace_id", "block_hashes")
@@ -355,13 +484,13 @@ class PinRequest(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, namespace_id: bytes | None = ..., block_hashes: _Iterable[bytes] | None = ...) -> None: ...
 
 class PinResponse(_message.Message):
     __slots__ = ("count",)
     COUNT_FIELD_NUMBER: _ClassVar[int]
     count: int
-    def __init__(self, count: _Optional[int] = ...) -> None: ...
+    def __init__(self, count: int | None = ...) -> None: ...
 
 class UnpinRequest(_message.Message):
     __slots__ = ("namespace_id", "block_hashes")
@@ -369,13 +498,13 @@ class UnpinRequest(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, namespace_id: bytes | None = ..., block_hashes: _Iterable[bytes] | None = ...) -> None: ...
 
 class UnpinResponse(_message.Message):
     __slots__ = ("count",)
     COUNT_FIELD_NUMBER: _ClassVar[int]
     count: int
-    def __init__(self, count: _Optional[int] = ...) -> None: ...
+    def __init__(self, count: int | None = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("target_node_ids", "max_bytes")
@@ -383,7 +512,7 @@ class DrainRequest(_message.Message):
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     target_node_ids: _containers.RepeatedScalarFieldContainer[str]
     max_bytes: int
-    def __init__(self, target_node_ids: _Optional[_Iterable[str]] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, target_node_ids: _Iterable[str] | None = ..., max_bytes: int | None = ...) -> None: ...
 
 class DrainResponse(_message.Message):
     __slots__ = ("moved_blocks", "moved_bytes", "remaining_blocks", "sessions_moved", "blocks_by_peer")
@@ -393,7 +522,8 @@ class DrainResponse(_message.Message):
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: int
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+        def __init__(self, key: str | None = ..., value: int | None = ...) -> None: ...
+
     MOVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MOVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     REMAINING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -404,7 +534,14 @@ class DrainResponse(_message.Message):
     remaining_blocks: int
     sessions_moved: int
     blocks_by_peer: _containers.ScalarMap[str, int]
-    def __init__(self, moved_blocks: _Optional[int] = ..., moved_bytes: _Optional[int] = ..., remaining_blocks: _Optional[int] = ..., sessions_moved: _Optional[int] = ..., blocks_by_peer: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    def __init__(
+        self,
+        moved_blocks: int | None = ...,
+        moved_bytes: int | None = ...,
+        remaining_blocks: int | None = ...,
+        sessions_moved: int | None = ...,
+        blocks_by_peer: _Mapping[str, int] | None = ...,
+    ) -> None: ...
 
 class WarmRequest(_message.Message):
     __slots__ = ("source_node_ids", "max_bytes")
@@ -412,4 +549,4 @@ class WarmRequest(_message.Message):
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     source_node_ids: _containers.RepeatedScalarFieldContainer[str]
     max_bytes: int
-    def __init__(self, source_node_ids: _Optional[_Iterable[str]] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, source_node_ids: _Iterable[str] | None = ..., max_bytes: int | None = ...) -> None: ...

@@ -38,7 +38,7 @@ from bench.report import Report, parse_args
 from kvstore.events import BlockStored
 from kvstore.index.base import NodeInfo, NodeMatch
 from kvstore.index.redis import RedisIndex
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 NUM_NODES = 8
 CHAIN_LENGTHS = (1024, 8192, 32768)

@@ -33,7 +33,8 @@ from bench.report import Report, best_of, gbps, parse_args, timed
 from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
-from kvstore.tiers.base import BlockMeta, TierKind, copy_bytes
+from kvstore.tier_kind import TierKind
+from kvstore.tiers.base import BlockMeta, copy_bytes
 from kvstore.tiers.host import HostTier, HostTierConfig
 from kvstore.tiers.manager import TierManager, TierManagerConfig
 from kvstore.tiers.memory import VirtualTier

@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 
 from kvstore.errors import InvalidArgument
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -51,7 +51,7 @@ from kvstore.connectors.vllm_meta import (
 )
 from kvstore.errors import KVStoreError
 from kvstore.hashing import BlockHash, chain_hashes
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 __all__ = ["SchedulerSide", "SchedulerCounters"]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from kvstore.events import BlockEvent
 from kvstore.hashing import BlockHash
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 __all__ = ["NodeInfo", "NodeMatch", "SessionAffinity", "Index", "SessionStore"]
 

@@ -44,7 +44,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, RemovalReason
 from kvstore.hashing import BlockHash, chain_hashes
 from kvstore.namespace import Namespace
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 __all__ = [
     "EngineHash",

@@ -36,7 +36,7 @@ from kvstore.errors import CapacityExhausted, InvalidArgument, NotFound
 from kvstore.events import AllBlocksCleared, BlockEvent, BlockMoved, BlockRemoved, BlockStored
 from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.index.base import NodeMatch
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 __all__ = ["BlockLocations", "SLOTS_PER_WORD", "MAX_NODES"]
 

@@ -50,7 +50,7 @@ from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.index import redis_scripts
 from kvstore.index.base import Index, NodeInfo, NodeMatch, SessionAffinity, SessionStore
 from kvstore.index.redis_scripts import RedisBoundary, RedisClient
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 __all__ = ["RedisIndex", "RedisSessionStore", "connect"]
 

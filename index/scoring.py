@@ -37,7 +37,7 @@ import xxhash
 
 from kvstore.errors import InvalidArgument
 from kvstore.index.base import NodeMatch, SessionAffinity
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 __all__ = ["CostModel", "AffinityPolicy", "Candidate", "Estimate", "RouteDecision", "estimate", "route"]
 

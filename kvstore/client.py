@@ -14,7 +14,7 @@ offsets cross the socket:
 - ``begin_save``/``commit``/``abort`` and ``acquire``/``release``: the same save and
   load with the slab slots handed out in place, for connectors that copy one layer at a
   time as the forward pass produces or needs it;
-- ``handoff_*``: prefill → decode, layer by layer (transport/handoff.py): the producer
+- ``handoff_*``: prefill → decode, layer by layer (kvstore/transfers/handoff.py): the producer
   writes layers into staging slots and hands each over as it is computed; the consumer
   waits for a layer only when its forward pass needs it.
 
@@ -51,7 +51,8 @@ from kvstore.localproto import (
 )
 from kvstore.namespace import Namespace
 from kvstore.paths import default_socket_path
-from kvstore.tiers.base import TierKind, byte_view, copy_bytes
+from kvstore.tier_kind import TierKind
+from kvstore.tiers.base import byte_view, copy_bytes
 from kvstore.tiers.host import SharedSlab
 from kvstore.tiers.slab import Slot
 

@@ -41,8 +41,8 @@ from kvstore.router import Router
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.manager import TierManager
 from kvstore.tiers.nvme import NvmeTier
+from kvstore.transfers.service import TransferService
 from kvstore.transport.factory import open_transport
-from kvstore.transport.service import TransferService
 
 __all__ = ["run", "serve"]
 

@@ -31,7 +31,7 @@ from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 from kvstore.spawn import DaemonProcess, spawn_daemon
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 # a small GQA model's KV: 8 layers, 4 KV heads of 128, fp16, 32-token blocks = 512 KiB/block
 LAYOUT = KVLayout(num_layers=8, num_kv_heads=4, head_dim=128, block_size=32, dtype="float16")

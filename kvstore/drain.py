@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from kvstore.chains import describable, drain_plan
 from kvstore.errors import KVStoreError, NotFound
 from kvstore.index.base import Index, NodeInfo, SessionStore
-from kvstore.transport.service import TransferService
+from kvstore.transfers.service import TransferService
 
 __all__ = ["MoveReport", "drain", "warm"]
 

@@ -15,7 +15,7 @@ import enum
 from dataclasses import dataclass
 
 from kvstore.hashing import BlockHash
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 __all__ = ["RemovalReason", "BlockStored", "BlockRemoved", "BlockMoved", "AllBlocksCleared", "BlockEvent", "EventQueue"]
 

@@ -35,7 +35,7 @@ from kvstore.errors import InvalidArgument, KVStoreError, raise_error
 from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.version import LOCAL_PROTOCOL_VERSION
 
 __all__ = [
@@ -260,7 +260,7 @@ class LocalServerProtocol(asyncio.Protocol):
     def _release(self, lease_id: int) -> None:
         self._node.end_load(self._session, lease_id)
 
-    # -- peers: remote fetch and prefill → decode handoff (transport/service.py) ----------
+    # -- peers: remote fetch and prefill → decode handoff (kvstore/transfers/service.py) ----------
     def _service(self):
         if self._transfers is None:
             raise InvalidArgument('this daemon runs without a transport (transport.kind = "off"); peers cannot be reached.')

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 if TYPE_CHECKING:
     from kvstore.tiers.manager import TierManager

@@ -26,7 +26,8 @@ from kvstore.errors import InvalidArgument, NotFound, UnknownNamespace
 from kvstore.hashing import BlockHash, chain_hashes
 from kvstore.metrics import Metrics
 from kvstore.namespace import Namespace
-from kvstore.tiers.base import TierKind, TierStats, byte_view
+from kvstore.tier_kind import TierKind
+from kvstore.tiers.base import TierStats, byte_view
 from kvstore.tiers.manager import BlockInfo, EvictResult, ReadLease, Reservation, TierManager
 
 __all__ = ["Node", "NodeStats", "Limits", "BlockPage"]

@@ -32,7 +32,7 @@ from kvstore.index.engine_events import EngineBlockStored, EngineEventTranslator
 from kvstore.index.engine_subscriber import EngineEventSubscriber, EngineSubscription
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 BLOCK = 4
 NS = Namespace("test/model", KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=BLOCK))

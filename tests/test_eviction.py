@@ -1,6 +1,6 @@
 """The prefix tree and the eviction policies, without any tier."""
 
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.tiers.catalogue import BlockEntry, Catalogue
 from kvstore.tiers.eviction import LRU, LeafFirstLRU
 from kvstore.tiers.slab import Slot

@@ -3,8 +3,9 @@ import torch
 
 from kvstore.errors import TierUnavailable
 from kvstore.hashing import chain_hashes
+from kvstore.tier_kind import TierKind
 from kvstore.tiers import device
-from kvstore.tiers.base import BlockMeta, TierKind
+from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.hbm import HbmTier, HbmTierConfig
 
 MiB = 1024 * 1024

@@ -8,7 +8,8 @@ import torch
 
 from kvstore.errors import InvalidArgument, TierUnavailable
 from kvstore.hashing import chain_hashes
-from kvstore.tiers.base import BlockMeta, TierKind
+from kvstore.tier_kind import TierKind
+from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.host import HostTier, HostTierConfig, SharedSlab
 
 MiB = 1024 * 1024

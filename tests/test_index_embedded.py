@@ -15,7 +15,7 @@ from kvstore.index.base import NodeInfo, NodeMatch
 from kvstore.index.embedded import EmbeddedIndex
 from kvstore.index.locations import BlockLocations
 from kvstore.index.sessions import EmbeddedSessionStore
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 GPU, HBM, HOST, NVME, REMOTE = TierKind.GPU, TierKind.HBM, TierKind.HOST, TierKind.NVME, TierKind.REMOTE
 NS = b"namespace-a"

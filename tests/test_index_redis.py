@@ -20,7 +20,7 @@ from kvstore.errors import InvalidArgument, TierUnavailable
 from kvstore.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored, RemovalReason
 from kvstore.index.base import NodeInfo
 from kvstore.index.redis import RedisIndex, RedisSessionStore, connect
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 HBM, HOST, NVME, GPU = TierKind.HBM, TierKind.HOST, TierKind.NVME, TierKind.GPU
 NS_A, NS_B = b"A" * 16, b"B" * 16

@@ -15,7 +15,7 @@ from kvstore.events import BlockMoved, BlockRemoved, BlockStored, RemovalReason
 from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.tiers.manager import TierManager, TierManagerConfig
 from kvstore.tiers.memory import MemoryTier, VirtualTier
 

@@ -11,7 +11,7 @@ from kvstore.events import BlockRemoved, RemovalReason
 from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.tiers.host import HostTier, HostTierConfig
 from kvstore.tiers.manager import TierManager, TierManagerConfig
 from kvstore.tiers.nvme import NvmeTier, NvmeTierConfig

@@ -20,7 +20,8 @@ import torch
 import xxhash
 
 from kvstore.errors import BlockSizeMismatch, CorruptBlock, InvalidArgument, TierUnavailable
-from kvstore.tiers.base import BlockMeta, TierKind
+from kvstore.tier_kind import TierKind
+from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.nvme import NvmeTier, NvmeTierConfig
 from kvstore.tiers.slab import Slot
 

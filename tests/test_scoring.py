@@ -19,7 +19,7 @@ import pytest
 from kvstore.errors import InvalidArgument
 from kvstore.index.base import NodeMatch, SessionAffinity
 from kvstore.index.scoring import AffinityPolicy, Candidate, CostModel, estimate, route
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 GPU, HBM, HOST, NVME, REMOTE = TierKind.GPU, TierKind.HBM, TierKind.HOST, TierKind.NVME, TierKind.REMOTE
 MODEL = CostModel(

@@ -29,7 +29,7 @@ from bench.sim.workload import Request
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import hash_block
 from kvstore.index import scoring
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.tiers.manager import TierManager
 from kvstore.tiers.memory import VirtualTier
 

@@ -22,12 +22,12 @@ from kvstore.layout import KVLayout
 from kvstore.metrics import Metrics
 from kvstore.namespace import Namespace
 from kvstore.node import Node
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.tiers.manager import TierManager, TierManagerConfig
 from kvstore.tiers.memory import MemoryTier
+from kvstore.transfers.service import TransferService
 from kvstore.transport.base import MemoryTransport
 from kvstore.transport.config import TransportConfig
-from kvstore.transport.service import TransferService
 from kvstore.transport.wire import FrameHeader
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype="float16")
@@ -149,7 +149,7 @@ def test_a_fetch_past_its_deadline_keeps_what_arrived_and_frees_the_rest():
                 await original(channel, transfer_id, namespace, [block], *args)
                 await asyncio.sleep(0.2)
 
-        import kvstore.transport.peer_server as serving
+        import kvstore.transfers.peer_server as serving
 
         serving.send_blocks = slow_send_blocks
         try:

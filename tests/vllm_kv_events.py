@@ -26,7 +26,7 @@ from kvstore.errors import TierUnavailable
 from kvstore.events import AllBlocksCleared, BlockEvent, BlockMoved, BlockRemoved, BlockStored
 from kvstore.hashing import BlockHash
 from kvstore.index.base import Index, NodeInfo, NodeMatch
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import abc
 import ctypes
-import enum
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -23,27 +22,10 @@ import torch
 
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import BlockHash
+from kvstore.tier_kind import TierKind
 from kvstore.tiers.slab import Slot
 
-__all__ = ["TierKind", "BlockMeta", "Tier", "TierStats", "byte_view", "copy_bytes"]
-
-
-class TierKind(str, enum.Enum):
-    """Where a block lives, fastest first. GPU is an engine's own prefix cache (reported by
-    its KV events, never held by kvstore); REMOTE is a peer daemon's tier."""
-
-    GPU = "gpu"
-    HBM = "hbm"
-    HOST = "host"
-    NVME = "nvme"
-    REMOTE = "remote"
-
-    @property
-    def rank(self) -> int:
-        return _TIER_RANK[self]
-
-
-_TIER_RANK = {TierKind.GPU: 0, TierKind.HBM: 1, TierKind.HOST: 2, TierKind.NVME: 3, TierKind.REMOTE: 4}
+__all__ = ["BlockMeta", "Tier", "TierStats", "byte_view", "copy_bytes"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from kvstore.hashing import BlockHash
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.tiers.slab import Slot
 
 __all__ = ["BlockKey", "BlockEntry", "Catalogue"]

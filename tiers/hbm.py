@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidArgument
+from kvstore.tier_kind import TierKind
 from kvstore.tiers import device
-from kvstore.tiers.base import TierKind
 from kvstore.tiers.memory import DEFAULT_PAGE_BYTES, MemoryTier
 
 __all__ = ["HbmTierConfig", "HbmTier"]

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from kvstore.errors import InvalidArgument, TierUnavailable
+from kvstore.tier_kind import TierKind
 from kvstore.tiers import device
-from kvstore.tiers.base import TierKind
 from kvstore.tiers.memory import DEFAULT_PAGE_BYTES, MemoryTier
 from kvstore.tiers.slab import Slot
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from kvstore.errors import NotFound
 from kvstore.hashing import BlockHash
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.tiers.catalogue import BlockEntry
 from kvstore.tiers.movement import Mover
 from kvstore.tiers.records import LeasedBlock, ReadLease

@@ -47,7 +47,8 @@ from kvstore.errors import BlockSizeMismatch, CapacityExhausted, InvalidArgument
 from kvstore.events import BlockStored, EventQueue, RemovalReason
 from kvstore.hashing import BlockHash
 from kvstore.namespace import Namespace
-from kvstore.tiers.base import BlockMeta, Tier, TierKind, TierStats, byte_view
+from kvstore.tier_kind import TierKind
+from kvstore.tiers.base import BlockMeta, Tier, TierStats, byte_view
 from kvstore.tiers.catalogue import BlockEntry
 from kvstore.tiers.eviction import POLICIES
 from kvstore.tiers.leases import ReadLeases

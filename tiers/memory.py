@@ -11,7 +11,8 @@ import ctypes
 import torch
 
 from kvstore.errors import BlockSizeMismatch, TierUnavailable
-from kvstore.tiers.base import BlockMeta, Tier, TierKind, TierStats, byte_view, copy_bytes
+from kvstore.tier_kind import TierKind
+from kvstore.tiers.base import BlockMeta, Tier, TierStats, byte_view, copy_bytes
 from kvstore.tiers.slab import SlabAllocator, Slot
 
 __all__ = ["MemoryTier", "VirtualTier", "DEFAULT_PAGE_BYTES"]

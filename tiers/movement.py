@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from kvstore.errors import CorruptBlock, InvalidArgument, TierUnavailable
 from kvstore.events import BlockMoved, EventQueue, RemovalReason
 from kvstore.hashing import BlockHash
-from kvstore.tiers.base import BlockMeta, TierKind
+from kvstore.tier_kind import TierKind
+from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.catalogue import BlockEntry
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.residency import Residency

@@ -48,7 +48,8 @@ import xxhash
 
 from kvstore.errors import BlockSizeMismatch, CorruptBlock, InvalidArgument, TierUnavailable
 from kvstore.hashing import HASH_BYTES
-from kvstore.tiers.base import BlockMeta, Tier, TierKind, TierStats
+from kvstore.tier_kind import TierKind
+from kvstore.tiers.base import BlockMeta, Tier, TierStats
 from kvstore.tiers.nvme_files import IO_ALIGN, SlotFiles
 from kvstore.tiers.nvme_format import (
     HEADER_BYTES,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstore.hashing import BlockHash
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.tiers.slab import Slot
 
 __all__ = ["ReservedBlock", "Reservation", "LeasedBlock", "ReadLease", "BlockInfo", "EvictResult"]

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from kvstore.errors import CapacityExhausted, InvalidArgument, NotFound, ReservationExpired
 from kvstore.events import BlockStored, EventQueue
 from kvstore.hashing import BlockHash
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.tiers.catalogue import BlockEntry, BlockKey
 from kvstore.tiers.movement import Mover
 from kvstore.tiers.records import Reservation, ReservedBlock

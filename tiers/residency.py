@@ -17,7 +17,7 @@ import collections
 from collections.abc import Iterable, Sequence
 
 from kvstore.events import BlockRemoved, EventQueue, RemovalReason
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.tiers.catalogue import BlockEntry, Catalogue
 from kvstore.tiers.eviction import make_policy
 from kvstore.tiers.stack import TierStack

@@ -16,7 +16,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from kvstore.errors import InvalidArgument, TierUnavailable
-from kvstore.tiers.base import Tier, TierKind
+from kvstore.tier_kind import TierKind
+from kvstore.tiers.base import Tier
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.slab import Slot
 

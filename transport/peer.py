@@ -2,7 +2,7 @@
 
 A conversation on a channel is one transfer at a time: a CONTROL request, a CONTROL (or
 ERROR) reply, then BLOCK frames in the direction the request names, closed by an END
-each way where the protocol asks for one (transport/service.py has the requests).
+each way where the protocol asks for one (kvstore/transfers/service.py has the requests).
 Channels that finish a conversation cleanly go back to the pool for the next transfer to
 that peer; a channel that broke off mid-stream (a deadline, a bad frame) is closed,
 because the bytes still in flight would be read as the next conversation's.

@@ -34,7 +34,7 @@ from bench.sim.replica import Job, Replica, TierSizes, build_manager, replica_in
 from bench.sim.workload import Request
 from kvstore.errors import InvalidArgument
 from kvstore.index.locations import BlockLocations
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 __all__ = ["SimConfig", "RequestOutcome", "RunResult", "simulate"]
 

@@ -43,7 +43,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.index import scoring
 from kvstore.index.base import SessionAffinity
 from kvstore.index.locations import BlockLocations
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 
 __all__ = ["Fleet", "RoutingPolicy", "POLICIES", "make_policy", "VIRTUAL_NODES", "LLMD_TIER_WEIGHTS", "DYNAMO_OVERLAP_WEIGHT"]
 

@@ -29,7 +29,7 @@ from kvstore.errors import CapacityExhausted, InvalidArgument
 from kvstore.index.base import NodeMatch
 from kvstore.index.scoring import Candidate, CostModel, estimate
 from kvstore.namespace import Namespace
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.tiers.manager import TierManager, TierManagerConfig
 from kvstore.tiers.memory import VirtualTier
 from kvstore.tiers.slab import round_up

@@ -21,7 +21,7 @@ from kvstore.index.scoring import Candidate, RouteDecision
 from kvstore.layout import KVLayout
 from kvstore.namespace import NAMESPACE_DIGEST_BYTES, Namespace
 from kvstore.node import BlockPage, Limits, NodeStats
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
 from kvstore.tiers.manager import BlockInfo, EvictResult
 
 __all__ = [

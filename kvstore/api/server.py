@@ -18,7 +18,7 @@ from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError
 from kvstore.node import Limits, Node
 from kvstore.router import Router
-from kvstore.transport.service import TransferService
+from kvstore.transfers.service import TransferService
 
 __all__ = ["create_grpc_server", "KVSTORE_SERVICES", "message_limit_bytes"]
 

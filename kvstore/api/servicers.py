@@ -38,7 +38,7 @@ from kvstore.errors import (
 from kvstore.hashing import BlockHash
 from kvstore.node import Node
 from kvstore.router import Router
-from kvstore.transport.service import TransferService
+from kvstore.transfers.service import TransferService
 
 __all__ = ["StoreServicer", "IndexServicer", "AdminServicer", "status_for"]
 

@@ -15,7 +15,7 @@ their staging slots and the channel.
     OutgoingHandoff   producer side: staging slots + the sender task
     IncomingHandoff   consumer side: staging slots + per-block layer progress
 
-Owner: the daemon's event loop (transport/service.py creates and drives both).
+Owner: the daemon's event loop (kvstore/transfers/service.py creates and drives both).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from kvstore.errors import InvalidArgument, NotFound, TransferFailed
 from kvstore.hashing import BlockHash
 from kvstore.layout import KVLayout
 from kvstore.tiers.manager import TierManager
-from kvstore.transport.handoff import HandoffState, IncomingHandoff, OutgoingHandoff
+from kvstore.transfers.handoff import HandoffState, IncomingHandoff, OutgoingHandoff
 
 __all__ = ["HandoffRegistry", "wire_transfer_id"]
 

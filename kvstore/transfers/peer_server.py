@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING
 from kvstore.chains import describable, shared_prefixes
 from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, TransferFailed
 from kvstore.localproto import namespace_from_wire, namespace_to_wire, pack_hashes, unpack_hashes
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
+from kvstore.transfers.handoff import IncomingHandoff
 from kvstore.transport.base import Channel
-from kvstore.transport.handoff import IncomingHandoff
 from kvstore.transport.peer import Landing, buffer_of, leading, send_blocks, send_control, send_error
 from kvstore.transport.wire import FrameHeader, FrameKind, decode_control
 
 if TYPE_CHECKING:
-    from kvstore.transport.service import TransferService
+    from kvstore.transfers.service import TransferService
 
 __all__ = ["PeerServer"]
 

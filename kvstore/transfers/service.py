@@ -4,8 +4,8 @@
                    local slots, ask the peer, receive into the slots, commit what
                    arrived verified before the deadline (the rest is recomputed)
     store          push whole chains into a peer's tiers (drain, warm-up)
-    handoff        prefill → decode, layer by layer (transport/handoff.py)
-    serving        the same conversations started by peers (transport/peer_server.py)
+    handoff        prefill → decode, layer by layer (kvstore/transfers/handoff.py)
+    serving        the same conversations started by peers (kvstore/transfers/peer_server.py)
 
 Peers find each other through the block-location index: every node registers its
 transport address there, and a destination may be named by node id or by address.
@@ -28,13 +28,13 @@ from kvstore.hashing import BlockHash
 from kvstore.index.base import Index
 from kvstore.localproto import namespace_from_wire, namespace_to_wire, pack_hashes, unpack_hashes
 from kvstore.namespace import Namespace
-from kvstore.tiers.base import TierKind
+from kvstore.tier_kind import TierKind
+from kvstore.transfers.handoff import HandoffState, IncomingHandoff, OutgoingHandoff
+from kvstore.transfers.handoffs import HandoffRegistry
+from kvstore.transfers.peer_server import PeerServer
 from kvstore.transport.base import Channel, Transport
 from kvstore.transport.config import TransportConfig
-from kvstore.transport.handoff import HandoffState, IncomingHandoff, OutgoingHandoff
-from kvstore.transport.handoffs import HandoffRegistry
 from kvstore.transport.peer import ChannelPool, Landing, buffer_of, leading, recv_message, request, send_blocks, send_control
-from kvstore.transport.peer_server import PeerServer
 from kvstore.transport.wire import FrameHeader, FrameKind
 
 __all__ = ["TransferService"]

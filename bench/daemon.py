@@ -29,7 +29,7 @@ from bench.report import Report, best_of, gbps, parse_args, timed
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.client import KVStoreClient
-from kvstore.errors import TierUnavailable
+from kvstore.errors import TransportUnavailable
 from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
@@ -209,7 +209,7 @@ def main() -> None:
     try:
         import_ucxx(TransportConfig(kind="ucx"))
         kinds.append("ucx")
-    except TierUnavailable as exc:
+    except TransportUnavailable as exc:
         print(f"UCX remote fetch skipped: {exc}")
     fetches = [remote_fetch(kind, fetch_total, 3) for kind in kinds]
     rows = []

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from bench.report import Report, gbps, parse_args, timed
-from kvstore.errors import CorruptBlock, TierUnavailable
+from kvstore.errors import CorruptBlock, TransportUnavailable
 from kvstore.transport.config import TransportConfig
 from kvstore.transport.factory import open_transport
 from kvstore.transport.peer import Landing
@@ -356,7 +356,7 @@ def main() -> None:
     try:
         import_ucxx(TransportConfig(kind="ucx"))  # the UCX defaults reach the senders' environment too
         has_ucx = True
-    except TierUnavailable as exc:
+    except TransportUnavailable as exc:
         print(f"UCX rows skipped: {exc}")
         has_ucx = False
     best = asyncio.run(bench_links(total, has_ucx, repeats))

@@ -33,7 +33,7 @@ import torch
 import xxhash
 
 from kvstore.client import KVStoreClient
-from kvstore.errors import InvalidArgument, KVStoreError, TierUnavailable
+from kvstore.errors import DaemonUnavailable, InvalidArgument, KVStoreError
 from kvstore.hashing import BlockHash
 from kvstore.layout import DTYPE_SIZES
 from kvstore.namespace import Namespace
@@ -130,14 +130,16 @@ class EngineKeyStore:
                 self._clients.append(client)
         try:
             yield client
-        except (OSError, TierUnavailable) as exc:
+        except (OSError, DaemonUnavailable) as exc:
             self._local.client = None
             with self._clients_lock:
                 if client in self._clients:  # close() may have taken it already
                     self._clients.remove(client)
             client.close()
             if isinstance(exc, OSError):
-                raise TierUnavailable(f"the connection to the kvstore daemon broke ({exc.strerror or exc}); it may be restarting.") from exc
+                raise DaemonUnavailable(
+                    f"the connection to the kvstore daemon broke ({exc.strerror or exc}); it may be restarting."
+                ) from exc
             raise
 
     def _typed(self, raw: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ deleting its blocks one by one.
 
 Every method is a coroutine: the daemon and routers call them from their event loop, and
 the Redis backend does network I/O. Implementations translate their own errors into
-``kvstore.errors.TierUnavailable`` (backend unreachable) or ``InvalidArgument``.
+``kvstore.errors.IndexUnavailable`` (backend unreachable) or ``InvalidArgument``.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ by every match and unlinked by the next match or ``sweep`` of their namespace, s
 node vanishes when its lease expires, without anyone deleting its blocks.
 
 Failure contract for the daemon (kvstore/publisher.py follows it): every Redis error
-surfaces as ``TierUnavailable`` after a bounded, exponentially backed-off retry; the index
+surfaces as ``IndexUnavailable`` after a bounded, exponentially backed-off retry; the index
 may then have lost or half applied what the node published. ``register`` returns False
 (an extension of `Index.register`) when it did not renew a current lease but began a new
 epoch: the lease had lapsed (Redis restarted empty, heartbeats stalled) or this process
@@ -44,7 +44,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from kvstore.errors import InvalidArgument, TierUnavailable
+from kvstore.errors import IndexUnavailable, InvalidArgument
 from kvstore.events import AllBlocksCleared, BlockEvent, BlockMoved, BlockRemoved, BlockStored
 from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.index import redis_scripts
@@ -202,7 +202,7 @@ class RedisIndex(Index):
         try:
             with self._redis.translated(f"publish of {len(events)} events from node {node_id!r}"):
                 results = await self._redis.run_many(calls, extra)
-        except TierUnavailable:
+        except IndexUnavailable:
             self._announced.clear()
             raise
         self._registered[node_id] = (num, epoch)
@@ -211,7 +211,7 @@ class RedisIndex(Index):
             self._view = None
         if any(r == -1 for r in results[: len(calls)]):
             self._registered.pop(node_id, None)
-            raise TierUnavailable(
+            raise IndexUnavailable(
                 f"a newer epoch of node {node_id!r} owns its blocks in the index (another process registered "
                 "it, or a failed publish half-applied a clear), so this batch was dropped; register again "
                 "and re-publish the catalogue."

@@ -19,7 +19,7 @@ Key layout (``p`` is the deployment's key prefix, ``ns`` a namespace digest in h
 
 `RedisBoundary` sends them: EVALSHA, falling back to EVAL when the server answers NOSCRIPT
 (a restarted or flushed Redis), pipelines for batches, and the translation of every Redis
-error into ``TierUnavailable`` at this edge.
+error into ``IndexUnavailable`` at this edge.
 
 A node's block map belongs to one epoch (``holders``); an entry of an older epoch, of a
 node whose lease was gone when the caller looked, or of a node number the registry no
@@ -38,7 +38,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
-from kvstore.errors import TierUnavailable
+from kvstore.errors import IndexUnavailable
 
 __all__ = ["RedisBoundary", "RedisClient", "REGISTER", "VIEW", "APPLY", "MATCH", "SESSION_PUT", "SESSION_REASSIGN"]
 
@@ -61,7 +61,7 @@ class RedisBoundary:
         try:
             yield
         except (RedisError, OSError) as exc:
-            raise TierUnavailable(
+            raise IndexUnavailable(
                 f"the Redis index at {self.where} failed during {what} ({type(exc).__name__}: {exc}); "
                 "this node keeps serving its own blocks, and should re-register and re-publish its "
                 "catalogue once Redis answers again."

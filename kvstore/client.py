@@ -36,7 +36,7 @@ from pathlib import Path
 import msgpack
 import torch
 
-from kvstore.errors import InvalidArgument, TierUnavailable
+from kvstore.errors import DaemonUnavailable, InvalidArgument
 from kvstore.hashing import BlockHash
 from kvstore.localproto import (
     HEADER,
@@ -198,7 +198,7 @@ class KVStoreClient:
             self._sock.connect(path)
         except OSError as exc:
             self._sock.close()
-            raise TierUnavailable(
+            raise DaemonUnavailable(
                 f"cannot reach the kvstore daemon at {path} ({exc.strerror or exc}); is `kvstore serve` running?"
             ) from exc
         self._codec = _Codec()
@@ -383,7 +383,7 @@ class KVStoreClient:
         while remaining:
             chunk = self._sock.recv(remaining)
             if not chunk:
-                raise TierUnavailable("the kvstore daemon closed the connection; it may be restarting.")
+                raise DaemonUnavailable("the kvstore daemon closed the connection; it may be restarting.")
             chunks.append(chunk)
             remaining -= len(chunk)
         return b"".join(chunks)
@@ -403,7 +403,7 @@ class AsyncKVStoreClient:
         try:
             reader, writer = await asyncio.open_unix_connection(path)
         except OSError as exc:
-            raise TierUnavailable(
+            raise DaemonUnavailable(
                 f"cannot reach the kvstore daemon at {path} ({exc.strerror or exc}); is `kvstore serve` running?"
             ) from exc
         client = cls(reader, writer)
@@ -469,5 +469,5 @@ class AsyncKVStoreClient:
                 (length,) = HEADER.unpack(await self._reader.readexactly(4))
                 payload = await self._reader.readexactly(length)
             except asyncio.IncompleteReadError as exc:
-                raise TierUnavailable("the kvstore daemon closed the connection; it may be restarting.") from exc
+                raise DaemonUnavailable("the kvstore daemon closed the connection; it may be restarting.") from exc
         return _Codec.result(msgpack.unpackb(payload, raw=False))

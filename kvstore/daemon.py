@@ -29,7 +29,7 @@ import socket
 from pathlib import Path
 
 from kvstore.config import DaemonConfig
-from kvstore.errors import TierUnavailable
+from kvstore.errors import KVStoreError, TierUnavailable
 from kvstore.index.backends import open_index
 from kvstore.index.base import NodeInfo
 from kvstore.localproto import LocalServerProtocol
@@ -64,7 +64,7 @@ def _reclaim_socket(path: Path) -> None:
         return
     finally:
         probe.close()
-    raise TierUnavailable(f"another kvstore daemon is serving on {path}; stop it or configure another socket_path.")
+    raise KVStoreError(f"another kvstore daemon is serving on {path}; stop it or configure another socket_path.")
 
 
 def _open_tiers(config: DaemonConfig) -> list:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstore.errors import TierUnavailable
+from kvstore.errors import DaemonUnavailable
 from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
@@ -92,7 +92,7 @@ def start_daemon(workdir: Path) -> DaemonProcess:
     settings = {"server.grpc_port": 0, "server.metrics_port": 0, "nvme.directory": workdir / "nvme", "nvme.capacity_bytes": "1GiB"}
     try:
         return spawn_daemon(workdir / "kvstore.sock", settings, workdir / "daemon.log")
-    except TierUnavailable as exc:
+    except DaemonUnavailable as exc:
         raise SystemExit(f"demo: {exc}") from None
 
 

@@ -6,10 +6,18 @@
     ├── UnknownNamespace       no block was ever stored under this namespace here
     ├── NotFound               the named block, lease or reservation does not exist
     ├── CapacityExhausted      no slot can be freed for the request (everything pinned or leased)
-    ├── TierUnavailable        a tier cannot be used right now (disk full, directory unwritable)
+    ├── Unavailable            something kvstore depends on cannot be used right now
+    │   ├── TierUnavailable      a tier failed an I/O or cannot be opened; ``tier`` names it
+    │   ├── DaemonUnavailable    the local daemon does not answer (not running, restarting, stopped)
+    │   ├── IndexUnavailable     the block-location index backend cannot be reached
+    │   └── TransportUnavailable the configured peer transport cannot be used (ucxx missing)
     ├── CorruptBlock           stored bytes failed verification; callers treat it as a miss
     ├── ReservationExpired     a writer committed after its reservation timed out
     └── TransferFailed         a peer transfer broke off (peer gone, deadline, bad frame)
+
+Which class is raised says whose fault it is: a failed NVMe read is the NVMe tier's
+(``TierUnavailable`` with ``tier`` NVMe), never the tier it was being read into; a daemon
+that went away is ``DaemonUnavailable``, which a connector turns into misses.
 
 Each message is a sentence that says what was wrong and, where it helps, what to do.
 Foreign errors (OS, gRPC, Redis, UCX) are translated where they enter kvstore and
@@ -18,6 +26,11 @@ chained with ``raise … from exc``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvstore.tier_kind import TierKind
+
 __all__ = [
     "KVStoreError",
     "InvalidArgument",
@@ -25,7 +38,11 @@ __all__ = [
     "UnknownNamespace",
     "NotFound",
     "CapacityExhausted",
+    "Unavailable",
     "TierUnavailable",
+    "DaemonUnavailable",
+    "IndexUnavailable",
+    "TransportUnavailable",
     "CorruptBlock",
     "ReservationExpired",
     "TransferFailed",
@@ -57,8 +74,30 @@ class CapacityExhausted(KVStoreError):
     """No slot can be freed: every resident block is pinned, leased or reserved."""
 
 
-class TierUnavailable(KVStoreError):
-    """A tier cannot serve right now (disk full, unwritable directory, missing device)."""
+class Unavailable(KVStoreError):
+    """Something kvstore depends on cannot be used right now; retrying later may work."""
+
+
+class TierUnavailable(Unavailable):
+    """A tier cannot serve right now (an I/O error, disk full, unwritable directory, missing
+    device). ``tier`` is the kind of the tier at fault, where one is (None: every tier)."""
+
+    def __init__(self, sentence: str, tier: TierKind | None = None) -> None:
+        super().__init__(sentence)
+        self.tier = tier
+
+
+class DaemonUnavailable(Unavailable):
+    """The local kvstore daemon does not answer: not running, restarting, stopped, or slower
+    than the client's timeout. Connectors treat it as misses and failed saves."""
+
+
+class IndexUnavailable(Unavailable):
+    """The block-location index backend (Redis) cannot be reached."""
+
+
+class TransportUnavailable(Unavailable):
+    """The configured peer transport cannot be used (e.g. ``ucxx`` is not installed)."""
 
 
 class CorruptBlock(KVStoreError):

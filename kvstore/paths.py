@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from kvstore.errors import TierUnavailable
+from kvstore.errors import DaemonUnavailable
 
 __all__ = ["default_socket_path", "default_cache_dir", "state_path_for", "read_state"]
 
@@ -31,4 +31,4 @@ def read_state(socket_path: Path) -> dict:
     try:
         return json.loads(state_path_for(socket_path).read_text())
     except (OSError, ValueError) as exc:
-        raise TierUnavailable(f"no kvstore daemon state at {state_path_for(socket_path)}; is `kvstore serve` running?") from exc
+        raise DaemonUnavailable(f"no kvstore daemon state at {state_path_for(socket_path)}; is `kvstore serve` running?") from exc

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.errors import TierUnavailable
+from kvstore.errors import DaemonUnavailable
 from kvstore.paths import state_path_for
 
 __all__ = ["DaemonProcess", "spawn_daemon"]
@@ -55,7 +55,7 @@ def spawn_daemon(
     deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:
-            raise TierUnavailable(f"kvstore serve exited with {process.returncode}: {log_path.read_text(errors='replace')[-3000:]}")
+            raise DaemonUnavailable(f"kvstore serve exited with {process.returncode}: {log_path.read_text(errors='replace')[-3000:]}")
         if state_file.exists():
             try:
                 return DaemonProcess(process, socket_path, log_path, json.loads(state_file.read_text()))
@@ -63,5 +63,5 @@ def spawn_daemon(
                 pass  # written but not flushed yet
         if time.monotonic() > deadline:
             process.kill()
-            raise TierUnavailable(f"kvstore serve did not start within {timeout_s:g} s: {log_path.read_text(errors='replace')[-3000:]}")
+            raise DaemonUnavailable(f"kvstore serve did not start within {timeout_s:g} s: {log_path.read_text(errors='replace')[-3000:]}")
         time.sleep(0.05)

@@ -16,7 +16,7 @@ from redis.asyncio.cluster import RedisCluster  # noqa: E402
 from redis.crc import key_slot  # noqa: E402
 from redis_server import RedisServer, find_redis_server, redis_server, start_cluster  # noqa: F401 (fixture)
 
-from kvstore.errors import InvalidArgument, TierUnavailable
+from kvstore.errors import IndexUnavailable, InvalidArgument
 from kvstore.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored, RemovalReason
 from kvstore.index.base import NodeInfo
 from kvstore.index.redis import RedisIndex, RedisSessionStore, connect
@@ -219,7 +219,7 @@ def test_redis_restart_raises_then_recovers(tmp_path):
         server.stop()
         for call in (index.match(NS_A, prompt), index.register(NodeInfo("n1"), 30), index.publish("n1", catalogue)):
             started = time.monotonic()
-            with pytest.raises(TierUnavailable, match="re-publish"):
+            with pytest.raises(IndexUnavailable, match="re-publish"):
                 await call
             assert time.monotonic() - started < 5
         server.start()  # same port, empty: Redis forgot everything
@@ -240,7 +240,7 @@ def test_redis_restart_raises_then_recovers(tmp_path):
         server.process.send_signal(signal.SIGSTOP)
         try:
             started = time.monotonic()
-            with pytest.raises(TierUnavailable):
+            with pytest.raises(IndexUnavailable):
                 await index.register(NodeInfo("n1"), lease_ttl_s=30)
             assert time.monotonic() - started < 5
         finally:

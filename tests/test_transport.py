@@ -19,7 +19,7 @@ import torch
 # before ucxx is first imported: keep UCX's network transports on loopback
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-from kvstore.errors import CorruptBlock, InvalidArgument, TierUnavailable, TransferFailed  # noqa: E402
+from kvstore.errors import CorruptBlock, InvalidArgument, TransferFailed, TransportUnavailable  # noqa: E402
 from kvstore.transport.config import TransportConfig  # noqa: E402
 from kvstore.transport.factory import open_transport  # noqa: E402
 from kvstore.transport.peer import Landing  # noqa: E402
@@ -42,7 +42,7 @@ KiB = 1024
 def skip_without_ucxx() -> None:
     try:
         import_ucxx(TransportConfig(kind="ucx"))
-    except TierUnavailable as exc:
+    except TransportUnavailable as exc:
         pytest.skip(f"ucxx does not import on this machine: {exc}")
 
 
@@ -573,7 +573,7 @@ def test_open_transport_follows_the_config(monkeypatch):
     assert open_transport(TransportConfig(kind="off")) is None
     assert isinstance(open_transport(TransportConfig(kind="tcp")), TcpTransport)
     monkeypatch.setitem(sys.modules, "ucxx", None)  # as on a machine without the [ucx] extra
-    with pytest.raises(TierUnavailable, match=r"pip install 'kvstore\[ucx\]'"):
+    with pytest.raises(TransportUnavailable, match=r"pip install 'kvstore\[ucx\]'"):
         open_transport(TransportConfig(kind="ucx"))
     assert isinstance(open_transport(TransportConfig(kind="auto")), TcpTransport)
     with pytest.raises(InvalidArgument, match="ucx_progress_mode must be one of event, thread, blocking"):

@@ -22,7 +22,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from kvstore.errors import TierUnavailable
+from kvstore.errors import IndexUnavailable
 from kvstore.events import AllBlocksCleared, BlockEvent, BlockMoved, BlockRemoved, BlockStored
 from kvstore.hashing import BlockHash
 from kvstore.index.base import Index, NodeInfo, NodeMatch
@@ -158,7 +158,7 @@ class RecordingIndex(Index):
 
     def _check(self) -> None:
         if self.fail:
-            raise TierUnavailable("the test index is down.")
+            raise IndexUnavailable("the test index is down.")
 
     async def register(self, node: NodeInfo, lease_ttl_s: float):
         self._check()

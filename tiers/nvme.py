@@ -238,7 +238,8 @@ class NvmeTier(Tier):
             self._clear_trailer(slot)
             raise TierUnavailable(
                 f"Writing a block to {self._files.path_of(slot.offset)} failed ({exc.strerror or exc}); "
-                "check that disk's health and free space."
+                "check that disk's health and free space.",
+                tier=TierKind.NVME,
             ) from exc
         with self._lock:
             self._uncleared.discard(slot)
@@ -254,7 +255,8 @@ class NvmeTier(Tier):
             with self._lock:
                 self.num_read_errors += 1
             raise TierUnavailable(
-                f"Reading a block from {self._files.path_of(slot.offset)} failed ({exc.strerror or exc}); check that disk's health."
+                f"Reading a block from {self._files.path_of(slot.offset)} failed ({exc.strerror or exc}); check that disk's health.",
+                tier=TierKind.NVME,
             ) from exc
         if problem is not None:
             # dst may be memory an engine maps: leave zeros there, never unverified bytes
@@ -295,7 +297,8 @@ class NvmeTier(Tier):
         except OSError as exc:
             raise TierUnavailable(
                 f"Reading the NVMe tier's records in {self.config.directory} failed ({exc.strerror or exc}); "
-                "check that disk's health, or move the directory aside to start empty."
+                "check that disk's health, or move the directory aside to start empty.",
+                tier=TierKind.NVME,
             ) from exc
         found: list[tuple[Slot, SlotTrailer]] = []
         dropped: list[Slot] = []

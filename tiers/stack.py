@@ -56,7 +56,7 @@ class TierStack:
         if tier not in self._tiers:
             raise InvalidArgument(f"this node has no {tier.value} tier; it has {[k.value for k in self.order]}.")
         if tier in self.failed:
-            raise TierUnavailable(f"the {tier.value} tier has failed and is not used until the daemon restarts.")
+            raise TierUnavailable(f"the {tier.value} tier has failed and is not used until the daemon restarts.", tier=tier)
         return tier
 
     def below(self, kind: TierKind) -> TierKind | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from kvstore.errors import TierUnavailable
+from kvstore.errors import TransportUnavailable
 from kvstore.transport.base import Transport
 from kvstore.transport.config import TransportConfig
 from kvstore.transport.tcp import TcpTransport
@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 
 def open_transport(config: TransportConfig) -> Transport | None:
-    """``off``: none; ``tcp``; ``ucx`` (TierUnavailable, saying what to install, without
+    """``off``: none; ``tcp``; ``ucx`` (TransportUnavailable, saying what to install, without
     ucxx); ``auto``: UCX where ucxx imports and loads libucx, TCP otherwise."""
     if config.kind == "off":
         return None
@@ -27,7 +27,7 @@ def open_transport(config: TransportConfig) -> Transport | None:
         return UcxTransport(config)
     try:
         transport: Transport = UcxTransport(config)
-    except TierUnavailable as exc:
+    except TransportUnavailable as exc:
         logger.info("transport.kind = auto: TCP, because %s", exc)
         return TcpTransport(config)
     logger.info("transport.kind = auto: UCX")

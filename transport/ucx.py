@@ -44,7 +44,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
-from kvstore.errors import CorruptBlock, InvalidArgument, TierUnavailable, TransferFailed
+from kvstore.errors import CorruptBlock, InvalidArgument, TransferFailed, TransportUnavailable
 from kvstore.transport import ucx_progress
 from kvstore.transport.base import LANDED, Buffer, Channel, ChannelHandler, Transport, split_address
 from kvstore.transport.config import TransportConfig
@@ -94,7 +94,7 @@ def import_ucxx(config: TransportConfig) -> Any:
     try:
         import ucxx
     except (ImportError, OSError) as exc:  # not installed, or libucx would not load
-        raise TierUnavailable(
+        raise TransportUnavailable(
             f"the UCX transport needs ucxx ({exc}); install it with pip install 'kvstore[ucx]', or set transport.kind = \"tcp\"."
         ) from exc
     if os.environ.get("KVSTORE_TRANSPORT_UCX_PROGRESS_MODE") == "event":

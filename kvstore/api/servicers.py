@@ -31,8 +31,8 @@ from kvstore.errors import (
     KVStoreError,
     NotFound,
     ReservationExpired,
-    TierUnavailable,
     TransferFailed,
+    Unavailable,
     UnknownNamespace,
 )
 from kvstore.hashing import BlockHash
@@ -50,7 +50,7 @@ _STATUS_FOR: tuple[tuple[type[KVStoreError], grpc.StatusCode], ...] = (
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (CapacityExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (TierUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (ReservationExpired, grpc.StatusCode.FAILED_PRECONDITION),
     (CorruptBlock, grpc.StatusCode.DATA_LOSS),
     (TransferFailed, grpc.StatusCode.UNAVAILABLE),

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, NotFound, TierUnavailable, TransferFailed
+from kvstore.errors import CorruptBlock, IndexUnavailable, InvalidArgument, KVStoreError, NotFound, TransferFailed
 from kvstore.hashing import BlockHash
 from kvstore.index.base import Index
 from kvstore.localproto import namespace_from_wire, namespace_to_wire, pack_hashes, unpack_hashes
@@ -121,7 +121,7 @@ class TransferService:
         try:
             nodes = await self.index.nodes()
         except KVStoreError as exc:
-            raise TierUnavailable(f"cannot resolve node {destination!r}: the index is unreachable ({exc}).") from exc
+            raise IndexUnavailable(f"cannot resolve node {destination!r}: the index is unreachable ({exc}).") from exc
         for info in nodes:
             if info.node_id == destination and info.transport_address:
                 return info.transport_address

@@ -5,58 +5,74 @@ It connects to the local daemon over its Unix socket and maps the daemon's host 
 offsets cross the socket:
 
 - ``lookup(namespace, hashes)`` → the tier of each block of the longest cached prefix;
-- ``save(namespace, hashes, blocks)``: reserve slots → copy into the mapped slab → commit;
+- ``save(namespace, hashes, blocks)``: reserve slots → copy into the mapped slab, taking
+  each block's XXH3-64 as it is copied → commit with the checksums;
 - ``load(namespace, hashes, into)``: lease the prefix (the daemon first promotes NVMe
-  blocks into the slab) → copy out → release.
-
+  blocks into the slab) → copy out (verified against the writers' checksums where the
+  daemon or the caller asks) → release;
 - ``load(…, allow_remote=True)`` first asks the daemon to fetch the blocks it misses
   from the peer that holds them (within a deadline), then loads as above;
 - ``begin_save``/``commit``/``abort`` and ``acquire``/``release``: the same save and
   load with the slab slots handed out in place, for connectors that copy one layer at a
   time as the forward pass produces or needs it;
-- ``handoff_*``: prefill → decode, layer by layer (kvstore/transfers/handoff.py): the producer
-  writes layers into staging slots and hands each over as it is computed; the consumer
-  waits for a layer only when its forward pass needs it.
+- ``handoff_*``: prefill → decode, layer by layer (kvstore/transfers/handoff.py).
 
-Each call is one control round trip for any number of blocks (a save is reserve +
-commit; a load is acquire + a release that is not waited for), repeated only when a
-prefix is larger than the host tier can lease at once. ``KVStoreClient`` is blocking
-(engine worker threads); ``AsyncKVStoreClient`` has the same calls as coroutines.
+**One core, two faces.** Every call is written once, as a generator of requests
+(``_Core``): it yields each request it needs answered (or only sent) and is resumed with
+the answer. ``KVStoreClient`` runs them over a blocking socket (engine worker threads),
+``AsyncKVStoreClient`` over asyncio streams; neither holds a copy of any call's body.
+
+**Never wrong, never fatal** (DESIGN decisions 12, 14):
+
+- Replies are matched by request id. A call that times out raises ``DaemonUnavailable``
+  and poisons nothing: its late answer is recognised and what it granted (a lease, a
+  reservation) is given back. While an answer is overdue, calls wait ``LAG_GRACE_S`` for
+  it and then fail at once, instead of each waiting out its timeout.
+- A daemon that goes away is ``DaemonUnavailable`` (a ``KVStoreError``), never an
+  ``OSError``. The client reconnects by itself on a later call (backing off up to
+  ``MAX_BACKOFF_S``), maps the new daemon's slab and registers its namespaces again;
+  handles from the old daemon are dead (a commit of one raises, a release of one is a
+  no-op). The transition is logged once each way.
+- The client only gives back slots it holds by telling the daemon: ``close`` aborts and
+  releases what is still out, so the daemon never has to guess whether a live process
+  still copies.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import logging
 import socket
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import msgpack
 import torch
+import xxhash
 
-from kvstore.errors import DaemonUnavailable, InvalidArgument
+from kvstore import localproto
+from kvstore.errors import DaemonUnavailable, InvalidArgument, KVStoreError
 from kvstore.hashing import BlockHash
-from kvstore.localproto import (
-    HEADER,
-    PROTOCOL_VERSION,
-    TIERS_BY_CODE,
-    Op,
-    encode_frame,
-    namespace_to_wire,
-    pack_hashes,
-    raise_remote_error,
-    unpack_hashes,
-)
+from kvstore.localproto import HEADER, MAX_REPLY_BYTES, OP_NAMES, PROTOCOL_VERSION, TIERS_BY_CODE, Op
 from kvstore.namespace import Namespace
 from kvstore.paths import default_socket_path
 from kvstore.tier_kind import TierKind
-from kvstore.tiers.base import byte_view, copy_bytes
+from kvstore.tiers.base import byte_view
 from kvstore.tiers.host import SharedSlab
 from kvstore.tiers.slab import Slot
 
 __all__ = ["KVStoreClient", "AsyncKVStoreClient", "LookupResult", "HandoffSend", "HandoffReceive", "PendingSave", "Lease"]
+
+logger = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 2.0
+LAG_GRACE_S = 0.1  # while an answer is overdue, how long a call waits for it before failing at once
+_CHUNK = 256 * 1024  # copy-and-hash granule: the chunk is still in cache when it is hashed
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +119,7 @@ class PendingSave:
     reservation_id: int
     indices: tuple[int, ...]
     views: tuple[torch.Tensor, ...]
+    generation: int = 0  # the daemon connection it was made on
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,33 +131,241 @@ class Lease:
 
     lease_ids: tuple[int, ...]
     views: tuple[torch.Tensor, ...]
+    generation: int = 0
+    checksums: tuple[int, ...] = field(default=())
 
     @property
     def num_blocks(self) -> int:
         return len(self.views)
 
 
-class _Codec:
-    """What both clients share: request bodies, reply decoding, slab copies."""
+# -- what the core asks its face to do ------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """A request whose answer the call needs; ``give_back`` turns a late answer (after the
+    call gave up) into the notices that return what it granted."""
 
-    def __init__(self) -> None:
+    op: int
+    args: tuple
+    give_back: Callable[[Any], list[tuple[int, tuple]]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Notice:
+    """A request sent without waiting for an answer (request id 0)."""
+
+    op: int
+    args: tuple
+
+
+Call = Generator["_Request | _Notice", Any, Any]
+
+
+def _release_late(result: list) -> list[tuple[int, tuple]]:
+    return [(Op.RELEASE, (result[0],))]
+
+
+def _abort_late(result: list) -> list[tuple[int, tuple]]:
+    return [(Op.ABORT, (result[0],))]
+
+
+class _Core:
+    """The calls, as generators of requests; the state both faces share: the mapped slab,
+    the namespaces, the handles still out, and the connection generation they belong to."""
+
+    def __init__(self, verify_loads: bool | None) -> None:
         self.slab: SharedSlab | None = None
+        self.old_slabs: list[SharedSlab] = []
         self.node_id = ""
+        self.generation = 0
+        self.namespaces: dict[bytes, Namespace] = {}
         self.block_bytes: dict[bytes, int] = {}
         self.block_size: dict[bytes, int] = {}
+        self.verify_override = verify_loads
+        self.daemon_verifies = False
+        self.outstanding_leases: set[int] = set()
+        self.outstanding_reservations: set[int] = set()
 
-    def on_hello(self, result: list) -> None:
-        slab_path, self.node_id, _version = result
+    @property
+    def verify(self) -> bool:
+        return self.daemon_verifies if self.verify_override is None else self.verify_override
+
+    # -- the connection ---------------------------------------------------------------------
+    def hello(self) -> Call:
+        """What a new connection says first: the handshake, then every namespace again."""
+        slab_path, node_id, _version, verifies = yield _Request(Op.HELLO, (PROTOCOL_VERSION,))
+        if self.slab is not None:
+            self.old_slabs.append(self.slab)  # views into it may still be held; it unmaps when they go
         self.slab = SharedSlab.attach(slab_path)
+        self.node_id, self.daemon_verifies = node_id, bool(verifies)
+        self.generation += 1
+        self.outstanding_leases.clear()
+        self.outstanding_reservations.clear()
+        for namespace in list(self.namespaces.values()):
+            yield from self._register(namespace)
 
-    def on_register(self, namespace: Namespace, result: list) -> bytes:
-        digest, block_bytes = result
+    def register_namespace(self, namespace: Namespace) -> Call:
+        self.namespaces[namespace.digest] = namespace
+        self.block_bytes[namespace.digest] = namespace.block_bytes
+        self.block_size[namespace.digest] = namespace.block_size
+        return (yield from self._register(namespace))
+
+    def _register(self, namespace: Namespace) -> Call:
+        digest, block_bytes = yield _Request(Op.REGISTER, (localproto.namespace_to_wire(namespace),))
         if digest != namespace.digest or block_bytes != namespace.block_bytes:
             raise InvalidArgument("the daemon derived a different namespace digest; client and daemon versions disagree.")
-        self.block_bytes[digest] = block_bytes
-        self.block_size[digest] = namespace.block_size
         return digest
 
+    # -- lookups, saves, loads -------------------------------------------------------------------
+    def lookup(self, namespace: bytes, hashes: Sequence[BlockHash]) -> Call:
+        codes = yield _Request(Op.LOOKUP, (namespace, localproto.pack_hashes(hashes)))
+        return LookupResult(tuple(map(TIERS_BY_CODE.__getitem__, codes)), self.block_size.get(namespace, 0))
+
+    def save(self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor], parent_hash: BlockHash | None) -> Call:
+        views = self._checked_blocks(namespace, hashes, blocks)
+        pending = yield from self.begin_save(namespace, hashes, parent_hash)
+        try:
+            checksums = _copy_in(pending.views, [views[index] for index in pending.indices])
+        except Exception:
+            yield from self.abort(pending)
+            raise
+        return (yield from self._commit(pending, checksums))
+
+    def load(
+        self,
+        namespace: bytes,
+        hashes: Sequence[BlockHash],
+        into: Sequence[torch.Tensor],
+        allow_remote: bool,
+        deadline_s: float,
+        source: str | None,
+    ) -> Call:
+        views = self._checked_blocks(namespace, hashes, into)
+        if allow_remote:
+            yield _Request(Op.FETCH, (namespace, localproto.pack_hashes(hashes), deadline_s, source))
+        done = 0
+        while done < len(hashes):
+            lease = yield from self._acquire_once(namespace, hashes[done:])
+            try:
+                _copy_out(views[done : done + lease.num_blocks], lease.views)
+            except Exception:
+                yield from self.release(lease)
+                raise
+            yield from self.release(lease)
+            if not lease.num_blocks:
+                break
+            done += lease.num_blocks
+        return done
+
+    def begin_save(self, namespace: bytes, hashes: Sequence[BlockHash], parent_hash: BlockHash | None) -> Call:
+        self.nbytes(namespace)
+        reservation_id, placements = yield _Request(Op.RESERVE, (namespace, localproto.pack_hashes(hashes), parent_hash), _abort_late)
+        self.outstanding_reservations.add(reservation_id)
+        indices = tuple(index for index, _ in placements)
+        views = self._slot_views(namespace, [offset for _, offset in placements])
+        return PendingSave(reservation_id, indices, tuple(views), self.generation)
+
+    def commit(self, pending: PendingSave) -> Call:
+        """Commit slots filled in place: their checksums are taken now, from the slots."""
+        checksums = [_checksum(view) for view in pending.views]
+        return (yield from self._commit(pending, checksums))
+
+    def _commit(self, pending: PendingSave, checksums: list[int]) -> Call:
+        if pending.generation != self.generation:
+            raise DaemonUnavailable("the kvstore daemon restarted since these slots were reserved; nothing was stored.")
+        try:
+            stored = yield _Request(Op.COMMIT, (pending.reservation_id, None, localproto.pack_checksums(checksums)))
+        finally:
+            self.outstanding_reservations.discard(pending.reservation_id)
+        return stored
+
+    def abort(self, pending: PendingSave) -> Call:
+        if pending.generation != self.generation:
+            return  # the daemon that reserved them is gone, and its reservations with it
+        self.outstanding_reservations.discard(pending.reservation_id)
+        yield _Notice(Op.ABORT, (pending.reservation_id,))
+
+    def acquire(self, namespace: bytes, hashes: Sequence[BlockHash]) -> Call:
+        self.nbytes(namespace)
+        leases: list[Lease] = []
+        total = 0
+        try:
+            while total < len(hashes):
+                lease = yield from self._acquire_once(namespace, hashes[total:])
+                leases.append(lease)
+                if not lease.num_blocks:
+                    break
+                total += lease.num_blocks
+        except Exception:
+            for lease in leases:
+                yield from self.release(lease)
+            raise
+        return Lease(
+            tuple(i for lease in leases for i in lease.lease_ids),
+            tuple(v for lease in leases for v in lease.views),
+            self.generation,
+            tuple(c for lease in leases for c in lease.checksums),
+        )
+
+    def _acquire_once(self, namespace: bytes, hashes: Sequence[BlockHash]) -> Call:
+        """One lease; with verification on, cut where a block's bytes fail their checksum
+        (the daemon is told, and drops that block)."""
+        lease_id, offsets, blob = yield _Request(Op.ACQUIRE, (namespace, localproto.pack_hashes(hashes)), _release_late)
+        self.outstanding_leases.add(lease_id)
+        views = self._slot_views(namespace, offsets)
+        checksums = localproto.unpack_checksums(blob)
+        if self.verify:
+            for index, (view, expected) in enumerate(zip(views, checksums)):
+                if _checksum(view) != expected:
+                    logger.warning("kvstore: block %s failed its checksum when loaded; it is dropped and recomputed", hashes[index].hex())
+                    self.outstanding_leases.discard(lease_id)
+                    yield _Notice(Op.RELEASE, (lease_id, index))
+                    if not index:
+                        return Lease((), (), self.generation, ())
+                    # the blocks before it are sound: lease them again on their own
+                    return (yield from self._acquire_once(namespace, hashes[:index]))
+        return Lease((lease_id,), tuple(views), self.generation, tuple(checksums))
+
+    def release(self, lease: Lease) -> Call:
+        if lease.generation != self.generation:
+            return  # the daemon that granted it is gone, and its leases with it
+        for lease_id in lease.lease_ids:
+            if lease_id in self.outstanding_leases:
+                self.outstanding_leases.discard(lease_id)
+                yield _Notice(Op.RELEASE, (lease_id,))
+
+    def give_back_all(self) -> Call:
+        """Before closing: abort and release what is still out."""
+        for reservation_id in list(self.outstanding_reservations):
+            yield _Notice(Op.ABORT, (reservation_id,))
+        for lease_id in list(self.outstanding_leases):
+            yield _Notice(Op.RELEASE, (lease_id,))
+        self.outstanding_reservations.clear()
+        self.outstanding_leases.clear()
+
+    # -- prefill → decode handoff -----------------------------------------------------------
+    def handoff_send(
+        self, namespace: bytes, hashes: Sequence[BlockHash], transfer_id: str, destination: str, parent_hash: BlockHash | None
+    ) -> Call:
+        give_back = lambda _result: [(Op.HANDOFF_CANCEL, (transfer_id,))]  # noqa: E731
+        offsets = yield _Request(
+            Op.HANDOFF_SEND, (namespace, localproto.pack_hashes(hashes), parent_hash, transfer_id, destination), give_back
+        )
+        return HandoffSend(transfer_id, self._slot_views(namespace, offsets))
+
+    def handoff_receive(self, namespace: bytes, transfer_id: str, timeout_s: float) -> Call:
+        give_back = lambda _result: [(Op.HANDOFF_CLOSE, (transfer_id,))]  # noqa: E731
+        blob, offsets, parent, ready = yield _Request(Op.HANDOFF_RECEIVE, (namespace, transfer_id, timeout_s), give_back)
+        return HandoffReceive(transfer_id, localproto.unpack_hashes(blob), parent, self._slot_views(namespace, offsets), ready)
+
+    def request(self, op: int, *args) -> Call:
+        """A call whose answer is its result (handoff progress, and the like)."""
+        return (yield _Request(op, args))
+
+    def notice(self, op: int, *args) -> Call:
+        yield _Notice(op, args)
+
+    # -- checks and views ----------------------------------------------------------------------
     def nbytes(self, digest: bytes) -> int:
         try:
             return self.block_bytes[digest]
@@ -149,7 +374,7 @@ class _Codec:
                 f"namespace {digest.hex()} was not registered through this client; call register_namespace first."
             ) from None
 
-    def checked_blocks(self, digest: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _checked_blocks(self, digest: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if len(blocks) != len(hashes):
             raise InvalidArgument(f"{len(hashes)} hashes were given with {len(blocks)} block tensors.")
         nbytes = self.nbytes(digest)
@@ -159,74 +384,242 @@ class _Codec:
                 raise InvalidArgument(f"block tensor #{index} holds {view.numel()} bytes; this namespace's blocks have {nbytes}.")
         return views
 
-    def copy_in(self, digest: bytes, placements: list, views: list[torch.Tensor]) -> None:
-        nbytes = self.block_bytes[digest]
-        for index, offset in placements:
-            copy_bytes(self.slab.view(Slot(offset, nbytes), nbytes), views[index])
-
-    def slot_views(self, digest: bytes, offsets: list[int]) -> list[torch.Tensor]:
+    def _slot_views(self, digest: bytes, offsets: list[int]) -> list[torch.Tensor]:
         nbytes = self.nbytes(digest)
         return [self.slab.view(Slot(offset, nbytes), nbytes) for offset in offsets]
 
-    def handoff_receive(self, digest: bytes, transfer_id: str, result: list) -> HandoffReceive:
-        blob, offsets, parent, ready = result
-        return HandoffReceive(transfer_id, unpack_hashes(blob), parent, self.slot_views(digest, offsets), ready)
+    def close(self) -> None:
+        for slab in [self.slab, *self.old_slabs]:
+            if slab is not None:
+                slab.close()
+        self.slab, self.old_slabs = None, []
 
-    def copy_out(self, digest: bytes, offsets: list[int], views: list[torch.Tensor]) -> None:
-        nbytes = self.block_bytes[digest]
-        for offset, view in zip(offsets, views):
-            copy_bytes(view, self.slab.view(Slot(offset, nbytes), nbytes))
+
+# -- copies ---------------------------------------------------------------------------------------
+def _checksum(view: torch.Tensor) -> int:
+    return xxhash.xxh3_64_intdigest(memoryview(view.numpy()))
+
+
+def _copy_in(slots: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> list[int]:
+    """Copy each source into its slab slot and return the XXH3-64 of each slot's bytes.
+    Between CPU buffers the copy goes in cache-sized chunks, each hashed while it is still
+    in cache (one pass over memory for both); a device source is copied (and waited for)
+    first, then hashed in the slab."""
+    checksums = []
+    for slot, source in zip(slots, sources):
+        if source.device.type != "cpu":
+            slot.copy_(source)  # device → host: returns once the bytes are in the slab
+            checksums.append(_checksum(slot))
+            continue
+        state = xxhash.xxh3_64()
+        dst, src, size = slot.data_ptr(), source.data_ptr(), slot.numel()
+        landed = memoryview(slot.numpy())
+        for offset in range(0, size, _CHUNK):
+            length = min(_CHUNK, size - offset)
+            ctypes.memmove(dst + offset, src + offset, length)
+            state.update(landed[offset : offset + length])
+        checksums.append(state.intdigest())
+    return checksums
+
+
+def _copy_out(targets: Sequence[torch.Tensor], slots: Sequence[torch.Tensor]) -> None:
+    """Copy leased slots into the engine's tensors; copies to a device are waited for
+    before this returns, since the lease is released right after."""
+    on_device = False
+    for target, slot in zip(targets, slots):
+        if target.device.type == "cpu":
+            ctypes.memmove(target.data_ptr(), slot.data_ptr(), slot.numel())
+        else:
+            target.copy_(slot, non_blocking=True)
+            on_device = True
+    if on_device:
+        torch.cuda.synchronize()
+
+
+# -- the blocking face ---------------------------------------------------------------------------------
+class _Wire:
+    """One connection's frames, without the I/O: request ids, the reply buffer, and the
+    requests abandoned by a timeout whose answers are still to come."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+        self.next_id = 1
+        self.abandoned: dict[int, _Request] = {}
+        self.overdue_since = 0.0  # when the oldest abandoned request was given up
+
+    def request(self, request: _Request) -> tuple[int, bytes]:
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        return request_id, localproto.encode_request(request_id, request.op, request.args)
 
     @staticmethod
-    def result(reply: list):
-        if reply[0] != 0:
-            raise_remote_error(reply[1], reply[2])
-        return reply[1]
+    def notice(op: int, args: tuple) -> bytes:
+        return localproto.encode_request(0, op, args)
 
-    def close(self) -> None:
-        if self.slab is not None:
-            self.slab.close()
-            self.slab = None
+    def replies(self) -> Iterator[list]:
+        buffer = self.buffer
+        while len(buffer) >= 4:
+            (length,) = HEADER.unpack_from(buffer)
+            if length > MAX_REPLY_BYTES:
+                raise DaemonUnavailable(f"the kvstore daemon sent a {length}-byte reply; client and daemon versions disagree.")
+            if len(buffer) < 4 + length:
+                return
+            body = bytes(buffer[4 : 4 + length])
+            del buffer[: 4 + length]
+            yield localproto.decode_reply(body)
+
+    def abandon(self, request_id: int, request: _Request) -> None:
+        if not self.abandoned:
+            self.overdue_since = time.monotonic()
+        self.abandoned[request_id] = request
+
+    def settle(self, reply: list) -> list[bytes]:
+        """A reply to an abandoned request: the notices that give back what it granted."""
+        request = self.abandoned.pop(reply[0], None)
+        if request is None:
+            raise DaemonUnavailable(f"the kvstore daemon answered request {reply[0]}, which this client never sent; reconnecting.")
+        if not self.abandoned:
+            self.overdue_since = 0.0
+        if reply[1] != 0 or request.give_back is None:
+            return []
+        return [self.notice(op, args) for op, args in request.give_back(reply[2])]
 
 
-class KVStoreClient:
-    def __init__(self, socket_path: Path | str | None = None, timeout_s: float = 30.0) -> None:
-        path = str(socket_path or default_socket_path())
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout_s)
+class _Connection:
+    """A blocking socket to the daemon and its wire state."""
+
+    def __init__(self, path: str, timeout_s: float) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self.wire = _Wire()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._sock.connect(path)
+            self.sock.settimeout(timeout_s)
+            self.sock.connect(path)
         except OSError as exc:
-            self._sock.close()
+            self.sock.close()
             raise DaemonUnavailable(
                 f"cannot reach the kvstore daemon at {path} ({exc.strerror or exc}); is `kvstore serve` running?"
             ) from exc
-        self._codec = _Codec()
-        self._codec.on_hello(self._call(Op.HELLO, PROTOCOL_VERSION))
+
+    def call(self, request: _Request) -> Any:
+        if self.wire.abandoned:
+            self._collect(min(self.timeout_s, LAG_GRACE_S))  # late answers, come or coming
+            if self.wire.abandoned:
+                overdue = time.monotonic() - self.wire.overdue_since
+                raise DaemonUnavailable(f"the kvstore daemon has not answered for {overdue:.1f}s; treating calls as misses until it does.")
+        request_id, frame = self.wire.request(request)
+        self._send(frame)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            for reply in self.wire.replies():
+                if reply[0] == request_id:
+                    if reply[1] != 0:
+                        localproto.raise_reply_error(reply)
+                    return reply[2]
+                self._give_back(reply)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._receive(remaining):
+                self.wire.abandon(request_id, request)
+                raise DaemonUnavailable(f"the kvstore daemon did not answer {OP_NAMES[request.op]} within {self.timeout_s:g}s.")
+
+    def notify(self, op: int, args: tuple) -> None:
+        self._send(self.wire.notice(op, args))
+
+    def _collect(self, timeout_s: float) -> None:
+        """Take the late answers that arrive within ``timeout_s``, giving back what they granted."""
+        deadline = time.monotonic() + timeout_s
+        while self.wire.abandoned:
+            for reply in self.wire.replies():
+                self._give_back(reply)
+            remaining = deadline - time.monotonic()
+            if not self.wire.abandoned or remaining <= 0 or not self._receive(remaining):
+                break
+        for reply in self.wire.replies():
+            self._give_back(reply)
+
+    def _give_back(self, reply: list) -> None:
+        for frame in self.wire.settle(reply):
+            self._send(frame)
+
+    def _send(self, frame: bytes) -> None:
+        try:
+            self.sock.settimeout(self.timeout_s)
+            self.sock.sendall(frame)
+        except TimeoutError as exc:
+            raise DaemonUnavailable(f"the kvstore daemon did not take a request within {self.timeout_s:g}s.") from exc
+        except OSError as exc:
+            raise _Gone(f"the connection to the kvstore daemon broke ({exc.strerror or exc}); it may be restarting.") from exc
+
+    def _receive(self, timeout_s: float) -> bool:
+        """Read what has arrived within ``timeout_s``; False when nothing did."""
+        try:
+            self.sock.settimeout(timeout_s if timeout_s > 0 else 0.0)
+            chunk = self.sock.recv(1 << 20)
+        except (TimeoutError, BlockingIOError):
+            return False
+        except OSError as exc:
+            raise _Gone(f"the connection to the kvstore daemon broke ({exc.strerror or exc}); it may be restarting.") from exc
+        if not chunk:
+            raise _Gone("the kvstore daemon closed the connection; it may be restarting.")
+        self.wire.buffer += chunk
+        return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _Gone(DaemonUnavailable):
+    """The connection itself is over: the next call connects afresh."""
+
+
+class KVStoreClient:
+    """The client for engine threads. Safe to share between threads: each request and its
+    answer are exchanged under a lock (a call's copies run outside it)."""
+
+    def __init__(
+        self,
+        socket_path: Path | str | None = None,
+        timeout_s: float = 30.0,
+        verify_loads: bool | None = None,
+        require_daemon: bool = True,
+    ) -> None:
+        """``verify_loads``: check every loaded block against its writer's checksum (None:
+        as the daemon is configured, ``server.verify_loads``). ``require_daemon`` False: a
+        daemon that is not up yet is not an error here; calls are misses until it is."""
+        self._path = str(socket_path or default_socket_path())
+        self._timeout_s = timeout_s
+        self._core = _Core(verify_loads)
+        self._lock = threading.RLock()
+        self._connection: _Connection | None = None
+        self._backoff_s = 0.0
+        self._next_attempt = 0.0
+        self._closed = False
+        try:
+            self._connect()
+        except DaemonUnavailable:
+            if require_daemon:
+                raise
+            logger.warning("kvstore: no daemon at %s yet; calls are misses until it is up", self._path)
 
     @property
     def node_id(self) -> str:
-        return self._codec.node_id
+        return self._core.node_id
+
+    @property
+    def connected(self) -> bool:
+        return self._connection is not None
 
     def register_namespace(self, namespace: Namespace) -> bytes:
-        return self._codec.on_register(namespace, self._call(Op.REGISTER, namespace_to_wire(namespace)))
+        return self._run(self._core.register_namespace(namespace))
 
     def lookup(self, namespace: bytes, hashes: Sequence[BlockHash]) -> LookupResult:
-        codes = self._call(Op.LOOKUP, namespace, pack_hashes(hashes))
-        return LookupResult(tuple(map(TIERS_BY_CODE.__getitem__, codes)), self._codec.block_size.get(namespace, 0))
+        return self._run(self._core.lookup(namespace, hashes))
 
     def save(
         self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor], parent_hash: BlockHash | None = None
     ) -> int:
         """Store the blocks not cached yet; returns how many were stored."""
-        views = self._codec.checked_blocks(namespace, hashes, blocks)
-        reservation_id, placements = self._call(Op.RESERVE, namespace, pack_hashes(hashes), parent_hash)
-        try:
-            self._codec.copy_in(namespace, placements, views)
-        except BaseException:
-            self._call(Op.ABORT, reservation_id)
-            raise
-        return self._call(Op.COMMIT, reservation_id, None)
+        return self._run(self._core.save(namespace, hashes, blocks, parent_hash))
 
     def load(
         self,
@@ -242,20 +635,7 @@ class KVStoreClient:
         With ``allow_remote`` the daemon first fetches missing blocks from the peer the
         index says holds the most of them (or from ``source``, a transport address); what
         has not arrived within ``deadline_s`` is left out (a shorter hit, recomputed)."""
-        views = self._codec.checked_blocks(namespace, hashes, into)
-        if allow_remote:
-            self._call(Op.FETCH, namespace, pack_hashes(hashes), deadline_s, source)
-        done = 0
-        while done < len(hashes):
-            lease_id, offsets = self._call(Op.ACQUIRE, namespace, pack_hashes(hashes[done:]))
-            try:
-                self._codec.copy_out(namespace, offsets, views[done:])
-            finally:
-                self._send(Op.RELEASE | Op.NO_REPLY, lease_id)
-            if not offsets:
-                break
-            done += len(offsets)
-        return done
+        return self._run(self._core.load(namespace, hashes, into, allow_remote, deadline_s, source))
 
     # -- prefill → decode handoff -----------------------------------------------------------
     def handoff_send(
@@ -263,31 +643,30 @@ class KVStoreClient:
     ) -> HandoffSend:
         """Open a handoff of ``hashes`` to ``destination`` (a node id or a transport
         address); write each layer into the returned views, then `handoff_layers_ready`."""
-        offsets = self._call(Op.HANDOFF_SEND, namespace, pack_hashes(hashes), parent_hash, transfer_id, destination)
-        return HandoffSend(transfer_id, self._codec.slot_views(namespace, offsets))
+        return self._run(self._core.handoff_send(namespace, hashes, transfer_id, destination, parent_hash))
 
     def handoff_layers_ready(self, transfer_id: str, first_layer: int, num_layers: int = 1) -> None:
         """Layers [first, first+n) of every block are written: the daemon sends them now."""
-        self._send(Op.HANDOFF_READY | Op.NO_REPLY, transfer_id, first_layer, num_layers)
+        self._run(self._core.notice(Op.HANDOFF_READY, transfer_id, first_layer, num_layers))
 
     def handoff_finish(self, transfer_id: str, timeout_s: float = 30.0) -> int:
         """Wait until the destination holds every layer; returns how many blocks it stored."""
-        return self._call(Op.HANDOFF_FINISH, transfer_id, timeout_s)
+        return self._run(self._core.request(Op.HANDOFF_FINISH, transfer_id, timeout_s), timeout_s)
 
     def handoff_cancel(self, transfer_id: str) -> None:
-        self._call(Op.HANDOFF_CANCEL, transfer_id)
+        self._run(self._core.request(Op.HANDOFF_CANCEL, transfer_id))
 
     def handoff_receive(self, namespace: bytes, transfer_id: str, timeout_s: float = 30.0) -> HandoffReceive:
         """Wait until the producer has announced the handoff; its layers arrive afterwards."""
-        return self._codec.handoff_receive(namespace, transfer_id, self._call(Op.HANDOFF_RECEIVE, namespace, transfer_id, timeout_s))
+        return self._run(self._core.handoff_receive(namespace, transfer_id, timeout_s), timeout_s)
 
     def handoff_wait_layers(self, transfer_id: str, stop_layer: int, timeout_s: float = 30.0) -> int:
         """Return once layers [0, stop_layer) of every block arrived verified."""
-        return self._call(Op.HANDOFF_WAIT, transfer_id, stop_layer, timeout_s)
+        return self._run(self._core.request(Op.HANDOFF_WAIT, transfer_id, stop_layer, timeout_s), timeout_s)
 
     def handoff_close(self, transfer_id: str) -> None:
         """Done reading; the blocks stay in the store."""
-        self._call(Op.HANDOFF_CLOSE, transfer_id)
+        self._run(self._core.request(Op.HANDOFF_CLOSE, transfer_id))
 
     # -- in-place access: connectors that write or read a block one layer at a time --------
     # The views below are the slab slots themselves; a layer-wise connector fills a
@@ -295,42 +674,25 @@ class KVStoreClient:
     # layer is needed, so no whole-block staging copy exists on either side.
     def begin_save(self, namespace: bytes, hashes: Sequence[BlockHash], parent_hash: BlockHash | None = None) -> PendingSave:
         """Reserve slots for the blocks of ``hashes`` not cached yet; fill them, then ``commit``."""
-        self._codec.nbytes(namespace)
-        reservation_id, placements = self._call(Op.RESERVE, namespace, pack_hashes(hashes), parent_hash)
-        indices = tuple(index for index, _ in placements)
-        views = self._codec.slot_views(namespace, [offset for _, offset in placements])
-        return PendingSave(reservation_id, indices, tuple(views))
+        return self._run(self._core.begin_save(namespace, hashes, parent_hash))
 
     def commit(self, pending: PendingSave) -> int:
-        """Make a filled reservation visible; returns how many blocks were stored."""
-        return self._call(Op.COMMIT, pending.reservation_id, None)
+        """Make a filled reservation visible (with the checksums of its slots, taken now);
+        returns how many blocks were stored."""
+        return self._run(self._core.commit(pending))
 
     def abort(self, pending: PendingSave) -> None:
         """Drop a reservation whose slots were not (all) written; nothing becomes visible."""
-        self._call(Op.ABORT, pending.reservation_id)
+        self._run(self._core.abort(pending))
 
     def acquire(self, namespace: bytes, hashes: Sequence[BlockHash]) -> Lease:
         """Lease the longest cached prefix of ``hashes`` (NVMe blocks are promoted and
         verified first; a block that fails verification ends the prefix)."""
-        self._codec.nbytes(namespace)
-        lease_ids: list[int] = []
-        views: list[torch.Tensor] = []
-        try:
-            while len(views) < len(hashes):
-                lease_id, offsets = self._call(Op.ACQUIRE, namespace, pack_hashes(hashes[len(views) :]))
-                lease_ids.append(lease_id)
-                if not offsets:
-                    break
-                views.extend(self._codec.slot_views(namespace, offsets))
-        except BaseException:
-            self.release(Lease(tuple(lease_ids), ()))
-            raise
-        return Lease(tuple(lease_ids), tuple(views))
+        return self._run(self._core.acquire(namespace, hashes))
 
     def release(self, lease: Lease) -> None:
         """Give the leased slots back (not waited for: nothing can be done about a failure)."""
-        for lease_id in lease.lease_ids:
-            self._send(Op.RELEASE | Op.NO_REPLY, lease_id)
+        self._run(self._core.release(lease))
 
     # -- slab access in place: for connectors whose engine memory is strided (SGLang's
     # host pool, LMCache's chunks), so bytes move in one strided copy, not two ------------
@@ -361,8 +723,14 @@ class KVStoreClient:
             self.release(lease)
 
     def close(self) -> None:
-        self._codec.close()
-        self._sock.close()
+        with self._lock:
+            connection, self._connection = self._connection, None
+            if connection is not None:
+                with contextlib.suppress(KVStoreError):
+                    self._drive(self._core.give_back_all(), connection)
+                connection.close()
+            self._closed = True
+            self._core.close()
 
     def __enter__(self) -> KVStoreClient:
         return self
@@ -370,64 +738,126 @@ class KVStoreClient:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _send(self, *body) -> None:
-        self._sock.sendall(encode_frame(list(body)))
+    # -- running calls ----------------------------------------------------------------------
+    def _run(self, call: Call, timeout_s: float | None = None) -> Any:
+        connection = self._connect()
+        if timeout_s is not None and timeout_s + 5.0 > connection.timeout_s:
+            connection = _Widened(connection, timeout_s + 5.0)  # a call that itself waits that long
+        return self._drive(call, connection)
 
-    def _call(self, *body):
-        self._send(*body)
-        (length,) = HEADER.unpack(self._recv_exactly(4))
-        return _Codec.result(msgpack.unpackb(self._recv_exactly(length), raw=False))
+    def _drive(self, call: Call, connection) -> Any:
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = call.throw(error) if error is not None else call.send(value)
+            except StopIteration as done:
+                return done.value
+            value, error = None, None
+            try:
+                with self._lock:
+                    if isinstance(step, _Notice):
+                        connection.notify(step.op, step.args)
+                    else:
+                        value = connection.call(step)
+            except _Gone as exc:
+                self._lost(exc)
+                error = exc
+            except KVStoreError as exc:
+                error = exc
 
-    def _recv_exactly(self, count: int) -> bytes:
-        chunks, remaining = [], count
-        while remaining:
-            chunk = self._sock.recv(remaining)
-            if not chunk:
-                raise DaemonUnavailable("the kvstore daemon closed the connection; it may be restarting.")
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        return b"".join(chunks)
+    def _connect(self) -> _Connection:
+        with self._lock:
+            if self._closed:
+                raise DaemonUnavailable("this kvstore client was closed.")
+            if self._connection is not None:
+                return self._connection
+            now = time.monotonic()
+            if now < self._next_attempt:
+                raise DaemonUnavailable(
+                    f"the kvstore daemon at {self._path} is not reachable; retrying in {self._next_attempt - now:.1f}s."
+                )
+            connection = None
+            try:
+                connection = _Connection(self._path, self._timeout_s)
+                self._drive(self._core.hello(), connection)
+            except KVStoreError:
+                self._backoff_s = min(MAX_BACKOFF_S, max(0.05, self._backoff_s * 2))
+                self._next_attempt = now + self._backoff_s
+                if connection is not None:
+                    connection.close()
+                raise
+            if self._backoff_s:
+                logger.info("kvstore: reconnected to the daemon at %s (node %s)", self._path, self._core.node_id)
+            self._backoff_s, self._next_attempt = 0.0, 0.0
+            self._connection = connection
+            return connection
+
+    def _lost(self, exc: KVStoreError) -> None:
+        with self._lock:
+            if self._connection is None:
+                return
+            self._connection.close()
+            self._connection = None
+            self._backoff_s = 0.05
+            self._next_attempt = time.monotonic()  # the first reconnect is tried at once
+            logger.warning("kvstore: lost the daemon at %s (%s); calls are misses until it is back", self._path, exc)
 
 
+class _Widened:
+    """A connection whose calls may take ``timeout_s`` (a handoff wait), for one call."""
+
+    def __init__(self, connection: _Connection, timeout_s: float) -> None:
+        self._connection, self._timeout_s = connection, timeout_s
+
+    def call(self, request: _Request) -> Any:
+        saved, self._connection.timeout_s = self._connection.timeout_s, self._timeout_s
+        try:
+            return self._connection.call(request)
+        finally:
+            self._connection.timeout_s = saved
+
+    def notify(self, op: int, args: tuple) -> None:
+        self._connection.notify(op, args)
+
+
+# -- the asyncio face -----------------------------------------------------------------------------------
 class AsyncKVStoreClient:
-    """The same calls as coroutines, for engines that run an event loop."""
+    """The same calls as coroutines, for engines that run an event loop. Requests on one
+    connection are pipelined: each answer goes to the call that asked, by request id."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader, self._writer = reader, writer
-        self._codec = _Codec()
-        self._lock = asyncio.Lock()
+    def __init__(self, path: str, timeout_s: float, verify_loads: bool | None) -> None:
+        self._path = path
+        self._timeout_s = timeout_s
+        self._core = _Core(verify_loads)
+        self._writer: asyncio.StreamWriter | None = None
+        self._reading: asyncio.Task | None = None
+        self._wire = _Wire()
+        self._waiting: dict[int, tuple[_Request, asyncio.Future]] = {}
+        self._connecting = asyncio.Lock()
 
     @classmethod
-    async def connect(cls, socket_path: Path | str | None = None) -> AsyncKVStoreClient:
-        path = str(socket_path or default_socket_path())
-        try:
-            reader, writer = await asyncio.open_unix_connection(path)
-        except OSError as exc:
-            raise DaemonUnavailable(
-                f"cannot reach the kvstore daemon at {path} ({exc.strerror or exc}); is `kvstore serve` running?"
-            ) from exc
-        client = cls(reader, writer)
-        client._codec.on_hello(await client._call(Op.HELLO, PROTOCOL_VERSION))
+    async def connect(
+        cls, socket_path: Path | str | None = None, timeout_s: float = 30.0, verify_loads: bool | None = None
+    ) -> AsyncKVStoreClient:
+        client = cls(str(socket_path or default_socket_path()), timeout_s, verify_loads)
+        await client._ensure_connected()
         return client
 
+    @property
+    def node_id(self) -> str:
+        return self._core.node_id
+
     async def register_namespace(self, namespace: Namespace) -> bytes:
-        return self._codec.on_register(namespace, await self._call(Op.REGISTER, namespace_to_wire(namespace)))
+        return await self._run(self._core.register_namespace(namespace))
 
     async def lookup(self, namespace: bytes, hashes: Sequence[BlockHash]) -> LookupResult:
-        codes = await self._call(Op.LOOKUP, namespace, pack_hashes(hashes))
-        return LookupResult(tuple(map(TIERS_BY_CODE.__getitem__, codes)), self._codec.block_size.get(namespace, 0))
+        return await self._run(self._core.lookup(namespace, hashes))
 
     async def save(
         self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor], parent_hash: BlockHash | None = None
     ) -> int:
-        views = self._codec.checked_blocks(namespace, hashes, blocks)
-        reservation_id, placements = await self._call(Op.RESERVE, namespace, pack_hashes(hashes), parent_hash)
-        try:
-            self._codec.copy_in(namespace, placements, views)
-        except BaseException:
-            await self._call(Op.ABORT, reservation_id)
-            raise
-        return await self._call(Op.COMMIT, reservation_id, None)
+        return await self._run(self._core.save(namespace, hashes, blocks, parent_hash))
 
     async def load(
         self,
@@ -438,36 +868,119 @@ class AsyncKVStoreClient:
         deadline_s: float = 2.0,
         source: str | None = None,
     ) -> int:
-        views = self._codec.checked_blocks(namespace, hashes, into)
-        if allow_remote:
-            await self._call(Op.FETCH, namespace, pack_hashes(hashes), deadline_s, source)
-        done = 0
-        while done < len(hashes):
-            lease_id, offsets = await self._call(Op.ACQUIRE, namespace, pack_hashes(hashes[done:]))
-            try:
-                self._codec.copy_out(namespace, offsets, views[done:])
-            finally:
-                async with self._lock:
-                    self._writer.write(encode_frame([Op.RELEASE | Op.NO_REPLY, lease_id]))
-            if not offsets:
-                break
-            done += len(offsets)
-        return done
+        return await self._run(self._core.load(namespace, hashes, into, allow_remote, deadline_s, source))
+
+    async def begin_save(self, namespace: bytes, hashes: Sequence[BlockHash], parent_hash: BlockHash | None = None) -> PendingSave:
+        return await self._run(self._core.begin_save(namespace, hashes, parent_hash))
+
+    async def commit(self, pending: PendingSave) -> int:
+        return await self._run(self._core.commit(pending))
+
+    async def abort(self, pending: PendingSave) -> None:
+        await self._run(self._core.abort(pending))
+
+    async def acquire(self, namespace: bytes, hashes: Sequence[BlockHash]) -> Lease:
+        return await self._run(self._core.acquire(namespace, hashes))
+
+    async def release(self, lease: Lease) -> None:
+        await self._run(self._core.release(lease))
 
     async def close(self) -> None:
-        self._codec.close()
-        self._writer.close()
-        try:
-            await self._writer.wait_closed()
-        except OSError:
-            pass
+        if self._writer is not None:
+            with contextlib.suppress(KVStoreError):
+                await self._drive(self._core.give_back_all())
+            self._writer.close()
+            with contextlib.suppress(OSError):
+                await self._writer.wait_closed()
+        if self._reading is not None:
+            self._reading.cancel()
+        self._core.close()
 
-    async def _call(self, *body):
-        async with self._lock:  # one request in flight per connection: replies come in order
-            self._writer.write(encode_frame(list(body)))
+    # -- running calls ----------------------------------------------------------------------
+    async def _run(self, call: Call) -> Any:
+        await self._ensure_connected()
+        return await self._drive(call)
+
+    async def _drive(self, call: Call) -> Any:
+        value: Any = None
+        error: BaseException | None = None
+        while True:
             try:
-                (length,) = HEADER.unpack(await self._reader.readexactly(4))
-                payload = await self._reader.readexactly(length)
-            except asyncio.IncompleteReadError as exc:
-                raise DaemonUnavailable("the kvstore daemon closed the connection; it may be restarting.") from exc
-        return _Codec.result(msgpack.unpackb(payload, raw=False))
+                step = call.throw(error) if error is not None else call.send(value)
+            except StopIteration as done:
+                return done.value
+            value, error = None, None
+            try:
+                if isinstance(step, _Notice):
+                    self._write(self._wire.notice(step.op, step.args))
+                else:
+                    value = await self._call(step)
+            except KVStoreError as exc:
+                error = exc
+
+    async def _call(self, request: _Request) -> Any:
+        request_id, frame = self._wire.request(request)
+        answer = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = (request, answer)
+        self._write(frame)
+        try:
+            reply = await asyncio.wait_for(asyncio.shield(answer), self._timeout_s)
+        except (TimeoutError, asyncio.TimeoutError):
+            self._give_up(request_id, request)
+            raise DaemonUnavailable(f"the kvstore daemon did not answer {OP_NAMES[request.op]} within {self._timeout_s:g}s.") from None
+        except asyncio.CancelledError:
+            self._give_up(request_id, request)
+            raise
+        if reply[1] != 0:
+            localproto.raise_reply_error(reply)
+        return reply[2]
+
+    def _give_up(self, request_id: int, request: _Request) -> None:
+        if self._waiting.pop(request_id, None) is not None:
+            self._wire.abandon(request_id, request)
+
+    def _write(self, frame: bytes) -> None:
+        if self._writer is None or self._writer.is_closing():
+            raise DaemonUnavailable("the connection to the kvstore daemon is closed; it may be restarting.")
+        self._writer.write(frame)
+
+    async def _ensure_connected(self) -> None:
+        async with self._connecting:
+            if self._writer is not None and not self._writer.is_closing():
+                return
+            try:
+                reader, writer = await asyncio.open_unix_connection(self._path)
+            except OSError as exc:
+                raise DaemonUnavailable(
+                    f"cannot reach the kvstore daemon at {self._path} ({exc.strerror or exc}); is `kvstore serve` running?"
+                ) from exc
+            self._writer, self._wire = writer, _Wire()
+            self._reading = asyncio.ensure_future(self._read(reader))
+            await self._drive(self._core.hello())
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        """Hand each answer to the call that asked; a late one gives back what it granted."""
+        try:
+            while True:
+                chunk = await reader.read(1 << 20)
+                if not chunk:
+                    break
+                self._wire.buffer += chunk
+                for reply in self._wire.replies():
+                    waiting = self._waiting.pop(reply[0], None)
+                    if waiting is not None:
+                        if not waiting[1].done():
+                            waiting[1].set_result(reply)
+                        continue
+                    for frame in self._wire.settle(reply):
+                        self._write(frame)
+        except (OSError, KVStoreError) as exc:
+            logger.warning("kvstore: the connection to the daemon broke: %s", exc)
+        finally:
+            gone = DaemonUnavailable("the kvstore daemon closed the connection; it may be restarting.")
+            for _, answer in self._waiting.values():
+                if not answer.done():
+                    answer.set_exception(gone)
+            self._waiting.clear()
+            if self._writer is not None:
+                self._writer.close()

@@ -87,6 +87,10 @@ class ServerConfig:
     auth_token: str = ""
     node_id: str = field(default_factory=socket.gethostname)
     drain_timeout_s: float = 10.0
+    # engines' clients check every loaded block against its writer's checksum (a hash pass
+    # per load, in the engine process); off, blocks are checked where they leave the
+    # daemon's trust: demotion to NVMe, NVMe reads, peers
+    verify_loads: bool = False
 
     def __post_init__(self) -> None:
         if self.socket_mode not in (0o600, 0o660):

@@ -21,23 +21,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import signal
 import socket
+import threading
 from pathlib import Path
 
 from kvstore.config import DaemonConfig
 from kvstore.errors import KVStoreError, TierUnavailable
 from kvstore.index.backends import open_index
 from kvstore.index.base import NodeInfo
-from kvstore.localproto import LocalServerProtocol
+from kvstore.local_server import LocalServer
 from kvstore.metrics import Metrics
 from kvstore.node import Node
 from kvstore.paths import state_path_for
 from kvstore.publisher import IndexPublisher
 from kvstore.router import Router
+from kvstore.steps import run_steps
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.manager import TierManager
 from kvstore.tiers.nvme import NvmeTier
@@ -85,10 +88,12 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
     socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     _reclaim_socket(socket_path)
 
-    manager = TierManager(config.manager, _open_tiers(config))
+    # demotion waits for NVMe: the daemon runs it in the background (housekeeping), never inside a commit
+    manager = TierManager(dataclasses.replace(config.manager, demote_on_commit=False), _open_tiers(config))
     metrics = Metrics()
     node = Node(server_config.node_id, manager, metrics)
     loop = asyncio.get_running_loop()
+    manager.on_io_done(_Reaper(loop, manager).io_done)
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
@@ -100,9 +105,10 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
 
     host = manager.tier(manager.tier_kinds[0])
     slab_path = str(host.path)
+    local = LocalServer(node, slab_path, transfers, server_config.verify_loads)
     old_umask = os.umask(0o177 if server_config.socket_mode == 0o600 else 0o117)
     try:
-        local_server = await loop.create_unix_server(lambda: LocalServerProtocol(node, slab_path, transfers), str(socket_path))
+        local_server = await loop.create_unix_server(local.protocol, str(socket_path))
     finally:
         os.umask(old_umask)
     os.chmod(socket_path, server_config.socket_mode)
@@ -132,6 +138,7 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         metrics_port,
     )
     housekeeping = asyncio.create_task(_housekeeping(node, transfers, stop))
+    demotion = asyncio.create_task(_demotion(manager, stop))
     if ready is not None:
         ready.set()
     try:
@@ -140,7 +147,7 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         logger.info("stopping: draining requests")
         local_server.close()
         await grpc_server.stop(grace=server_config.drain_timeout_s)
-        for task in (housekeeping, publishing):
+        for task in (housekeeping, demotion, publishing):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -148,7 +155,9 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         if transfers is not None:
             await transfers.close()
         await index.close()
+        local.close()
         node.close_all_sessions()
+        manager.wait_moves()
         persisted = manager.persist()
         logger.info("moved %d memory blocks to NVMe before stopping", persisted)
         manager.close()
@@ -166,6 +175,40 @@ async def _housekeeping(node: Node, transfers: TransferService | None, stop: asy
         except Exception:  # a failed tick must not stop the daemon
             logger.exception("housekeeping failed")
         await asyncio.sleep(HOUSEKEEPING_PERIOD_S)
+
+
+async def _demotion(manager: TierManager, stop: asyncio.Event) -> None:
+    """Keep every tier under its high watermark, demoting off the loop: a step's NVMe writes
+    are awaited while the loop serves everything else."""
+    while not stop.is_set():
+        try:
+            await run_steps(manager.relieve_pressure_steps())
+        except Exception:  # a failed round must not stop the daemon
+            logger.exception("demotion failed")
+        await asyncio.sleep(HOUSEKEEPING_PERIOD_S)
+
+
+class _Reaper:
+    """Applies the outcome of NVMe moves on the loop's thread as their I/O ends: the I/O
+    threads only schedule it, once per burst of completions."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, manager: TierManager) -> None:
+        self._loop, self._manager = loop, manager
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def io_done(self) -> None:  # on an I/O thread
+        with self._lock:
+            if self._scheduled:
+                return
+            self._scheduled = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon is gone
+            self._loop.call_soon_threadsafe(self._reap)
+
+    def _reap(self) -> None:
+        with self._lock:
+            self._scheduled = False
+        self._manager.reap()
 
 
 def _start_metrics(metrics: Metrics, host: str, port: int) -> int | None:

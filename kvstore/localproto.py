@@ -1,31 +1,40 @@
-"""The engine ↔ daemon control protocol on the local Unix socket.
+"""The engine ↔ daemon control protocol on the local Unix socket: frames and their fields.
 
 Why not gRPC here: an engine asks for the cached prefix of every request it schedules,
 and gRPC's Python stack costs ~0.5 ms a round trip before any work is done, more than the
-200 µs budget for a 512-block lookup. This protocol is a length-prefixed msgpack frame
-each way, served by an ``asyncio.Protocol`` on the daemon's loop: no HTTP/2, no
-per-call threads, no copies of block bytes (those go through the shared-memory slab;
-only slot offsets travel here).
+budget for a 512-block lookup. This protocol is a length-prefixed msgpack frame each way,
+with no copies of block bytes (those go through the shared-memory slab; only slot
+offsets travel here).
 
-Frame: ``uint32 little-endian length ‖ msgpack body``. A request body is
-``[op, arg, …]``; a reply is ``[0, result]`` or ``[1, error kind, sentence]``. Requests
-on one connection are served in order; an op sent with ``NO_REPLY`` gets no answer (the
-client does not wait for a release it cannot act on). Block hashes travel as one
-concatenated bytes string (16 bytes each), tiers as one byte per block.
+Frame: ``uint32 little-endian length ‖ msgpack body``.
+
+    request   [request id, op, arg, …]          request id 0: the client reads no answer
+    reply     [request id, 0, result]
+    error     [request id, 1, error kind, sentence]
+
+Every reply carries the id of its request, so a client matches answers to questions
+whatever order they come in, and a late answer to a call that timed out is recognised
+(and what it granted given back) instead of being taken for the next call's. Block
+hashes travel as one concatenated bytes string (16 bytes each), checksums as one bytes
+string of little-endian uint64 (XXH3-64 of each block), tiers as one byte per block.
+
+Bounds (DESIGN decision 9): a request frame is at most ``MAX_REQUEST_BYTES`` (a 65,536-
+block request is 1 MiB of hashes), its arrays at most ``MAX_ARRAY_LEN`` long (the
+largest is a namespace's 13 fields), and every argument is checked against the op's
+signature before anything is done; an error sentence is at most ``MAX_SENTENCE_CHARS``
+and never echoes more than a few bytes of what it refuses. Decoding costs at most what a
+frame of that size holds: ~40 ms for the worst frame (a million nested one-byte
+integers), which the server weighs by its size when it shares the loop (kvstore/
+local_server.py).
 
 Authorization is the socket's file mode (0600 or 0660): whoever may open it is trusted
-like the engine's own process. Every size and count is still bounded by the node's
-``Limits`` and every frame by ``MAX_FRAME_BYTES``.
+like the engine's own process.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import operator
 import struct
-import time
-from collections.abc import Awaitable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -40,22 +49,40 @@ from kvstore.version import LOCAL_PROTOCOL_VERSION
 
 __all__ = [
     "PROTOCOL_VERSION",
-    "MAX_FRAME_BYTES",
+    "MAX_REQUEST_BYTES",
+    "MAX_REPLY_BYTES",
+    "MAX_SENTENCE_CHARS",
+    "HEADER",
     "Op",
+    "OP_NAMES",
+    "SIGNATURES",
     "TIER_CODES",
-    "encode_frame",
+    "TIERS_BY_CODE",
+    "encode_request",
+    "encode_reply",
+    "encode_error",
+    "decode_request",
+    "decode_reply",
+    "raise_reply_error",
+    "checked_args",
+    "error_of",
     "pack_hashes",
     "unpack_hashes",
+    "pack_checksums",
+    "unpack_checksums",
     "namespace_to_wire",
     "namespace_from_wire",
-    "raise_remote_error",
-    "LocalServerProtocol",
+    "describe",
 ]
 
 PROTOCOL_VERSION = LOCAL_PROTOCOL_VERSION
-MAX_FRAME_BYTES = 64 * 1024 * 1024
+MAX_REQUEST_BYTES = 1024 * 1024 + 64 * 1024  # 65,536 block hashes and the rest of a request
+MAX_REPLY_BYTES = 64 * 1024 * 1024
+MAX_ARRAY_LEN = 16
+MAX_SENTENCE_CHARS = 512
+MAX_TEXT_CHARS = 1024
 HEADER = struct.Struct("<I")
-logger = logging.getLogger(__name__)
+_CHECKSUM = np.dtype("<u8")
 
 
 class Op:
@@ -75,30 +102,122 @@ class Op:
     HANDOFF_RECEIVE = 14
     HANDOFF_WAIT = 15
     HANDOFF_CLOSE = 16
-    NO_REPLY = 0x100  # or-ed into an op: the client does not read an answer
 
+
+OP_NAMES: dict[int, str] = {value: name.lower() for name, value in vars(Op).items() if name.isupper()}
 
 TIER_CODES: dict[TierKind, int] = {kind: index for index, kind in enumerate(TierKind)}
 TIERS_BY_CODE: list[TierKind] = list(TierKind)
-_CODE_BY_VALUE: dict[str, int] = {kind.value: code for kind, code in TIER_CODES.items()}
-_VALUE = operator.attrgetter("_value_")
 
 
-def encode_frame(body: Any) -> bytes:
+# -- frames ---------------------------------------------------------------------------------
+def _frame(body: list) -> bytes:
     payload = msgpack.packb(body, use_bin_type=True)
     return HEADER.pack(len(payload)) + payload
 
 
-def pack_hashes(hashes: list[BlockHash]) -> bytes:
+def encode_request(request_id: int, op: int, args: Sequence[Any]) -> bytes:
+    return _frame([request_id, op, *args])
+
+
+def encode_reply(request_id: int, result: Any) -> bytes:
+    return _frame([request_id, 0, result])
+
+
+def encode_error(request_id: int, error: BaseException) -> bytes:
+    kind, sentence = error_of(error)
+    return _frame([request_id, 1, kind, sentence])
+
+
+def error_of(error: BaseException) -> tuple[str, str]:
+    """The (kind, sentence) an error travels as: kvstore's own by name, malformed input as
+    InvalidArgument, anything else as an internal error; the sentence bounded."""
+    if isinstance(error, KVStoreError):
+        kind, sentence = type(error).__name__, str(error)
+    elif isinstance(error, (TypeError, ValueError, msgpack.UnpackException)):
+        kind, sentence = "InvalidArgument", f"malformed request: {error}."
+    else:
+        kind, sentence = "KVStoreError", f"internal error serving the request ({type(error).__name__}); the daemon's log has the details."
+    if len(sentence) > MAX_SENTENCE_CHARS:
+        sentence = sentence[: MAX_SENTENCE_CHARS - 1] + "…"
+    return kind, sentence
+
+
+def decode_request(body: bytes) -> tuple[int, int, list]:
+    """(request id, op, args) of a request frame's body; InvalidArgument (carrying the
+    request id as ``request_id`` where it could be read) when it is malformed."""
+    try:
+        request = msgpack.unpackb(
+            body,
+            raw=False,
+            max_array_len=MAX_ARRAY_LEN,
+            max_map_len=MAX_ARRAY_LEN,
+            max_str_len=MAX_TEXT_CHARS * 4,
+            max_bin_len=MAX_REQUEST_BYTES,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises ValueError, TypeError or its own errors
+        raise InvalidArgument(
+            f"a request is one msgpack array [request id, op, args…]; this one does not decode ({type(exc).__name__})."
+        ) from None
+    if not isinstance(request, list) or len(request) < 2:
+        raise InvalidArgument(f"a request is a msgpack array [request id, op, args…], got {describe(request)}.")
+    request_id, op = request[0], request[1]
+    if type(request_id) is not int or not 0 <= request_id < 1 << 64:
+        raise InvalidArgument(f"a request id is an unsigned 64-bit integer, got {describe(request_id)}.")
+    if type(op) is not int or op not in OP_NAMES:
+        error = InvalidArgument(f"unknown op {describe(op)}; this daemon speaks protocol version {PROTOCOL_VERSION}.")
+        error.request_id = request_id  # type: ignore[attr-defined]
+        raise error
+    return request_id, op, request[2:]
+
+
+def decode_reply(body: bytes) -> list:
+    reply = msgpack.unpackb(body, raw=False)
+    if not isinstance(reply, list) or len(reply) < 3 or type(reply[0]) is not int:
+        raise InvalidArgument("the daemon sent a reply this client cannot read; client and daemon versions disagree.")
+    return reply
+
+
+def raise_reply_error(reply: list) -> None:
+    raise_error(str(reply[2]), str(reply[3]) if len(reply) > 3 else "")
+
+
+def describe(value: Any) -> str:
+    """A short description of a refused value: its type, and its size where it has one —
+    never the value itself when it is large."""
+    if isinstance(value, (bytes, bytearray)):
+        return f"{len(value)} bytes" if len(value) > 16 else f"bytes {bytes(value).hex() or '(empty)'}"
+    if isinstance(value, str):
+        return f"a {len(value)}-character string" if len(value) > 32 else f"string {value!r}"
+    if isinstance(value, (list, tuple, dict)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    if isinstance(value, (bool, int, float)) or value is None:
+        return repr(value)[:40]
+    return type(value).__name__
+
+
+# -- fields -----------------------------------------------------------------------------------
+def pack_hashes(hashes: Sequence[BlockHash]) -> bytes:
     return b"".join(hashes)
 
 
-def unpack_hashes(blob: bytes) -> list[BlockHash]:
+def unpack_hashes(blob: Any) -> list[BlockHash]:
     if not isinstance(blob, bytes) or len(blob) % HASH_BYTES:
-        raise InvalidArgument(f"block hashes must be a multiple of {HASH_BYTES} bytes.")
+        raise InvalidArgument(f"block hashes are one bytes string of {HASH_BYTES} bytes per block, got {describe(blob)}.")
     # numpy splits in C (4x faster than slicing in a loop on 512 hashes); the void dtype
     # keeps trailing zero bytes, which the bytes-string dtype would strip
     return np.frombuffer(blob, dtype=f"V{HASH_BYTES}").tolist()
+
+
+def pack_checksums(checksums: Sequence[int]) -> bytes:
+    return np.asarray(checksums, dtype=_CHECKSUM).tobytes()
+
+
+def unpack_checksums(blob: Any) -> list[int]:
+    if not isinstance(blob, bytes) or len(blob) % 8:
+        raise InvalidArgument(f"checksums are one bytes string of 8 bytes (uint64, little-endian) per block, got {describe(blob)}.")
+    return np.frombuffer(blob, dtype=_CHECKSUM).tolist()
 
 
 def namespace_to_wire(namespace: Namespace) -> list:
@@ -110,219 +229,134 @@ def namespace_to_wire(namespace: Namespace) -> list:
     ]  # fmt: skip
 
 
-def namespace_from_wire(fields: list) -> Namespace:
+def namespace_from_wire(fields: Any) -> Namespace:
     if not isinstance(fields, list) or len(fields) != 13:
         raise InvalidArgument("a namespace is 13 fields: model, layout (7), tp rank/size, pp rank/size, tenant salt.")
     model, layers, heads, head_dim, block_size, dtype, planes, order, tp_rank, tp_size, pp_rank, pp_size, salt = fields
-    layout = KVLayout(layers, heads, head_dim, block_size, dtype, planes, order)
-    return Namespace(model, layout, tp_rank, tp_size, pp_rank, pp_size, salt)
+    try:
+        layout = KVLayout(layers, heads, head_dim, block_size, dtype, planes, order)
+        return Namespace(model, layout, tp_rank, tp_size, pp_rank, pp_size, salt)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, InvalidArgument):
+            raise
+        raise InvalidArgument(f"a namespace field has the wrong type ({exc}).") from None
 
 
-def raise_remote_error(kind: str, sentence: str) -> None:
-    raise_error(kind, sentence)
+# -- argument checks: what each op takes, checked before the daemon acts on it ---------------------
+def _digest(value: Any) -> bytes:
+    if not isinstance(value, bytes) or len(value) != HASH_BYTES:
+        raise InvalidArgument(f"a namespace digest is {HASH_BYTES} bytes, got {describe(value)}.")
+    return value
 
 
-class LocalServerProtocol(asyncio.Protocol):
-    """One engine connection: a session on the node, closed (leases released,
-    reservations aborted) when the connection goes."""
-
-    def __init__(self, node, slab_path: str, transfers=None) -> None:
-        self._node = node
-        self._slab_path = slab_path
-        self._transfers = transfers  # the TransferService, None where the transport is off
-        self._tail: asyncio.Future | None = None  # the last reply still being computed
-        self._buffer = bytearray()
-        self._transport: asyncio.Transport | None = None
-        self._session = 0
-        self._handlers = {
-            Op.HELLO: self._hello,
-            Op.REGISTER: self._register,
-            Op.LOOKUP: self._lookup,
-            Op.RESERVE: self._reserve,
-            Op.COMMIT: self._commit,
-            Op.ABORT: self._abort,
-            Op.ACQUIRE: self._acquire,
-            Op.RELEASE: self._release,
-            Op.FETCH: self._fetch,
-            Op.HANDOFF_SEND: self._handoff_send,
-            Op.HANDOFF_READY: self._handoff_ready,
-            Op.HANDOFF_FINISH: self._handoff_finish,
-            Op.HANDOFF_CANCEL: self._handoff_cancel,
-            Op.HANDOFF_RECEIVE: self._handoff_receive,
-            Op.HANDOFF_WAIT: self._handoff_wait,
-            Op.HANDOFF_CLOSE: self._handoff_close,
-        }
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
-        self._session = self._node.open_session()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._transfers is not None:
-            self._transfers.close_session(self._session)
-        self._node.close_session(self._session)
-        self._transport = None
-
-    def data_received(self, data: bytes) -> None:
-        buffer = self._buffer
-        buffer += data
-        while len(buffer) >= 4:
-            (length,) = HEADER.unpack_from(buffer)
-            if length > MAX_FRAME_BYTES:
-                self._reply(Op.HELLO, [1, "InvalidArgument", f"a {length}-byte frame exceeds the {MAX_FRAME_BYTES}-byte limit."])
-                self._transport.close()
-                return
-            if len(buffer) < 4 + length:
-                return
-            body = bytes(buffer[4 : 4 + length])
-            del buffer[: 4 + length]
-            self._serve(body)
-
-    def _serve(self, body: bytes) -> None:
-        started = time.perf_counter()
-        op = 0
-        try:
-            request = msgpack.unpackb(body, raw=False)
-            if not isinstance(request, list) or not request or not isinstance(request[0], int):
-                raise InvalidArgument("a request is a msgpack array starting with an op code.")
-            op = request[0]
-            handler = self._handlers.get(op & ~Op.NO_REPLY)
-            if handler is None:
-                raise InvalidArgument(f"unknown op {op}; this daemon speaks protocol version {PROTOCOL_VERSION}.")
-            result = handler(*request[1:])
-            if asyncio.iscoroutine(result):  # waits on a peer: answered when done
-                self._queue_reply(op, started, pending=result)
-                return
-            reply: list = [0, result]
-        except Exception as exc:
-            reply = _error_reply(exc)
-        if self._tail is not None and not self._tail.done() and not op & Op.NO_REPLY:
-            self._queue_reply(op, started, reply=reply)  # behind an answer still being computed
-            return
-        self._reply(op, reply)
-        self._node.metrics.observe(_OP_NAMES.get(op & ~Op.NO_REPLY, "unknown"), time.perf_counter() - started)
-
-    def _queue_reply(self, op: int, started: float, pending: Awaitable | None = None, reply: list | None = None) -> None:
-        """Replies leave in request order even when some wait on peers."""
-        previous = self._tail
-
-        async def finish() -> None:
-            nonlocal reply
-            if pending is not None:
-                try:
-                    reply = [0, await pending]
-                except Exception as exc:
-                    reply = _error_reply(exc)
-            if previous is not None:
-                await asyncio.wait([previous])
-            self._reply(op, reply)
-            self._node.metrics.observe(_OP_NAMES.get(op & ~Op.NO_REPLY, "unknown"), time.perf_counter() - started)
-
-        self._tail = asyncio.ensure_future(finish())
-
-    def _reply(self, op: int, reply: list) -> None:
-        if not op & Op.NO_REPLY and self._transport is not None:
-            self._transport.write(encode_frame(reply))
-
-    # -- handlers: each returns the msgpack-able result ------------------------------------
-    def _hello(self, version: int) -> list:
-        if version != PROTOCOL_VERSION:
-            raise InvalidArgument(f"client speaks protocol {version}, this daemon {PROTOCOL_VERSION}; upgrade one of them.")
-        return [self._slab_path, self._node.node_id, PROTOCOL_VERSION]
-
-    def _register(self, fields: list) -> list:
-        namespace = namespace_from_wire(fields)
-        return [self._node.register_namespace(namespace), namespace.block_bytes]
-
-    def _lookup(self, digest: bytes, blob: bytes) -> bytes:
-        tiers = self._node.lookup(digest, unpack_hashes(blob))
-        # keyed by the members' plain string values: hashing an Enum member runs Python code
-        return bytes(map(_CODE_BY_VALUE.__getitem__, map(_VALUE, tiers)))
-
-    def _reserve(self, digest: bytes, blob: bytes, parent: bytes | None) -> list:
-        if parent is not None and (not isinstance(parent, bytes) or len(parent) != HASH_BYTES):
-            raise InvalidArgument(f"the parent hash must be {HASH_BYTES} bytes or nil.")
-        hashes = unpack_hashes(blob)
-        reservation = self._node.begin_save(self._session, digest, hashes, parent)
-        index_of = {h: i for i, h in enumerate(hashes)}
-        return [reservation.id, [(index_of[b.block_hash], b.slot.offset) for b in reservation.blocks]]
-
-    def _commit(self, reservation_id: int, num_written: int | None) -> int:
-        return self._node.commit_save(self._session, reservation_id, num_written)
-
-    def _abort(self, reservation_id: int) -> None:
-        self._node.abort_save(self._session, reservation_id)
-
-    def _acquire(self, digest: bytes, blob: bytes) -> list:
-        lease = self._node.begin_load(self._session, digest, unpack_hashes(blob))
-        return [lease.id, [b.slot.offset for b in lease.blocks]]
-
-    def _release(self, lease_id: int) -> None:
-        self._node.end_load(self._session, lease_id)
-
-    # -- peers: remote fetch and prefill → decode handoff (kvstore/transfers/service.py) ----------
-    def _service(self):
-        if self._transfers is None:
-            raise InvalidArgument('this daemon runs without a transport (transport.kind = "off"); peers cannot be reached.')
-        return self._transfers
-
-    async def _fetch(self, digest: bytes, blob: bytes, deadline_s: float, source: str | None = None) -> int:
-        return await self._service().fetch_missing(digest, unpack_hashes(blob), _positive(deadline_s, "deadline_s"), source)
-
-    async def _handoff_send(self, digest: bytes, blob: bytes, parent: bytes | None, transfer_id: str, destination: str) -> list:
-        handoff = await self._service().handoff_send(self._session, digest, unpack_hashes(blob), parent, transfer_id, destination)
-        return [slot.offset for slot in handoff.slots]
-
-    def _handoff_ready(self, transfer_id: str, first_layer: int, num_layers: int) -> None:
-        self._service().handoff_layers_ready(self._session, transfer_id, first_layer, num_layers)
-
-    async def _handoff_finish(self, transfer_id: str, timeout_s: float) -> int:
-        return await self._service().handoff_finish(self._session, transfer_id, _positive(timeout_s, "timeout_s"))
-
-    def _handoff_cancel(self, transfer_id: str) -> None:
-        self._service().handoff_cancel(self._session, transfer_id)
-
-    async def _handoff_receive(self, digest: bytes, transfer_id: str, timeout_s: float) -> list:
-        handoff = await self._service().handoff_receive(self._session, digest, transfer_id, _positive(timeout_s, "timeout_s"))
-        return [pack_hashes(handoff.hashes), [slot.offset for slot in handoff.slots], handoff.parent, handoff.ready_layers]
-
-    async def _handoff_wait(self, transfer_id: str, stop_layer: int, timeout_s: float) -> int:
-        return await self._service().handoff_wait(self._session, transfer_id, stop_layer, _positive(timeout_s, "timeout_s"))
-
-    def _handoff_close(self, transfer_id: str) -> None:
-        self._service().handoff_close(self._session, transfer_id)
+def _parent(value: Any) -> BlockHash | None:
+    if value is not None and (not isinstance(value, bytes) or len(value) != HASH_BYTES):
+        raise InvalidArgument(f"the parent hash must be {HASH_BYTES} bytes or nil, got {describe(value)}.")
+    return value
 
 
-def _positive(value: float, name: str) -> float:
-    if not isinstance(value, (int, float)) or not value > 0:
-        raise InvalidArgument(f"{name} must be a positive number of seconds, got {value!r}.")
+def _handle(value: Any) -> int:
+    if type(value) is not int or not 0 < value < 1 << 64:
+        raise InvalidArgument(f"a lease or reservation id is a positive 64-bit integer, got {describe(value)}.")
+    return value
+
+
+def _count_or_none(value: Any) -> int | None:
+    if value is not None and (type(value) is not int or value < 0):
+        raise InvalidArgument(f"a block count must be a non-negative integer or nil, got {describe(value)}.")
+    return value
+
+
+def _index_or_none(value: Any) -> int | None:
+    if value is not None and (type(value) is not int or value < 0):
+        raise InvalidArgument(f"a block index must be a non-negative integer or nil, got {describe(value)}.")
+    return value
+
+
+def _checksums_or_none(value: Any) -> list[int] | None:
+    return None if value is None else unpack_checksums(value)
+
+
+def _layer(value: Any) -> int:
+    if type(value) is not int or not 0 <= value < 1 << 16:
+        raise InvalidArgument(f"a layer index or count must be an integer in [0, 65536), got {describe(value)}.")
+    return value
+
+
+def _seconds(value: Any) -> float:
+    if type(value) not in (int, float) or not 0 < value <= 86_400:
+        raise InvalidArgument(f"a timeout or deadline is a positive number of seconds (at most a day), got {describe(value)}.")
     return float(value)
 
 
-def _error_reply(exc: Exception) -> list:
-    if isinstance(exc, KVStoreError):
-        return [1, type(exc).__name__, str(exc)]
-    if isinstance(exc, (TypeError, ValueError, msgpack.UnpackException)):
-        return [1, "InvalidArgument", f"malformed request: {exc}."]
-    logger.error("local request failed", exc_info=exc)  # the daemon keeps serving; the client gets a sentence
-    return [1, "KVStoreError", f"internal error serving the request: {exc}."]
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_TEXT_CHARS:
+        raise InvalidArgument(f"expected a non-empty string of at most {MAX_TEXT_CHARS} characters, got {describe(value)}.")
+    return value
 
 
-_OP_NAMES = {
-    Op.HELLO: "hello",
-    Op.REGISTER: "register",
-    Op.LOOKUP: "lookup",
-    Op.RESERVE: "reserve",
-    Op.COMMIT: "commit",
-    Op.ABORT: "abort",
-    Op.ACQUIRE: "acquire",
-    Op.RELEASE: "release",
-    Op.FETCH: "fetch",
-    Op.HANDOFF_SEND: "handoff_send",
-    Op.HANDOFF_READY: "handoff_ready",
-    Op.HANDOFF_FINISH: "handoff_finish",
-    Op.HANDOFF_CANCEL: "handoff_cancel",
-    Op.HANDOFF_RECEIVE: "handoff_receive",
-    Op.HANDOFF_WAIT: "handoff_wait",
-    Op.HANDOFF_CLOSE: "handoff_close",
+def _text_or_none(value: Any) -> str | None:
+    return None if value is None else _text(value)
+
+
+def _version(value: Any) -> int:
+    if type(value) is not int:
+        raise InvalidArgument(f"the protocol version is an integer, got {describe(value)}.")
+    return value
+
+
+def _fields(value: Any) -> list:
+    if not isinstance(value, list):
+        raise InvalidArgument(f"a namespace is a list of 13 fields, got {describe(value)}.")
+    return value
+
+
+Check = Callable[[Any], Any]
+
+# op → (argument names, their checks); trailing arguments with a default may be left out
+SIGNATURES: dict[int, tuple[tuple[str, Check, bool], ...]] = {
+    Op.HELLO: (("version", _version, False),),
+    Op.REGISTER: (("namespace", _fields, False),),
+    Op.LOOKUP: (("namespace digest", _digest, False), ("block hashes", unpack_hashes, False)),
+    Op.RESERVE: (("namespace digest", _digest, False), ("block hashes", unpack_hashes, False), ("parent hash", _parent, True)),
+    Op.COMMIT: (("reservation id", _handle, False), ("blocks written", _count_or_none, True), ("checksums", _checksums_or_none, True)),
+    Op.ABORT: (("reservation id", _handle, False),),
+    Op.ACQUIRE: (("namespace digest", _digest, False), ("block hashes", unpack_hashes, False)),
+    Op.RELEASE: (("lease id", _handle, False), ("first block that failed verification", _index_or_none, True)),
+    Op.FETCH: (
+        ("namespace digest", _digest, False),
+        ("block hashes", unpack_hashes, False),
+        ("deadline_s", _seconds, False),
+        ("source", _text_or_none, True),
+    ),
+    Op.HANDOFF_SEND: (
+        ("namespace digest", _digest, False),
+        ("block hashes", unpack_hashes, False),
+        ("parent hash", _parent, False),
+        ("transfer id", _text, False),
+        ("destination", _text, False),
+    ),
+    Op.HANDOFF_READY: (("transfer id", _text, False), ("first layer", _layer, False), ("number of layers", _layer, False)),
+    Op.HANDOFF_FINISH: (("transfer id", _text, False), ("timeout_s", _seconds, False)),
+    Op.HANDOFF_CANCEL: (("transfer id", _text, False),),
+    Op.HANDOFF_RECEIVE: (("namespace digest", _digest, False), ("transfer id", _text, False), ("timeout_s", _seconds, False)),
+    Op.HANDOFF_WAIT: (("transfer id", _text, False), ("stop layer", _layer, False), ("timeout_s", _seconds, False)),
+    Op.HANDOFF_CLOSE: (("transfer id", _text, False),),
 }
+
+
+def checked_args(op: int, args: list) -> list:
+    """``args`` of ``op`` converted by its signature; InvalidArgument naming the first
+    argument that does not fit."""
+    signature = SIGNATURES[op]
+    required = sum(1 for _, _, optional in signature if not optional)
+    if not required <= len(args) <= len(signature):
+        names = ", ".join(name for name, _, _ in signature)
+        raise InvalidArgument(f"{OP_NAMES[op]} takes {names}; got {len(args)} arguments.")
+    converted = []
+    for (name, check, _), value in zip(signature, args):
+        try:
+            converted.append(check(value))
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{OP_NAMES[op]}: {name}: {exc}") from None
+    return converted

@@ -1,10 +1,18 @@
 """A node: the tier manager plus what a daemon serving many clients adds around it.
 
 - namespaces registered by clients (a block is only ever served under its namespace);
-- ownership: every reservation and lease belongs to a client session, and everything a
-  session holds is released when it goes away (a killed engine leaks nothing);
+- ownership (DESIGN decision 12): every reservation and lease belongs to the client
+  session that took it, and a call naming a handle of another session is refused
+  (NotFound). What a session holds is let go when its owner is provably gone: its engine
+  process exited (a killed engine leaks nothing). A session whose connection closed while
+  its process still runs is *orphaned*: it keeps every slot it holds — the process may
+  still be copying into or out of them — until the front end reports the process gone;
 - metrics for every operation;
 - housekeeping the daemon runs periodically (expired reservations, watermarks, gauges).
+
+Calls that may wait for NVMe I/O (``begin_save``, ``begin_load``, ``put_inline``,
+``get_inline``) are steps (tiers/steps.py), which the daemon drives without blocking its
+loop (kvstore/steps.py).
 
 Both front ends — the local protocol engines use over the Unix socket and the gRPC API —
 call this one object, so they validate and behave alike.
@@ -22,13 +30,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.errors import InvalidArgument, NotFound, UnknownNamespace
+from kvstore.errors import InvalidArgument, NotFound, ReservationExpired, UnknownNamespace
 from kvstore.hashing import BlockHash, chain_hashes
 from kvstore.metrics import Metrics
 from kvstore.namespace import Namespace
 from kvstore.tier_kind import TierKind
 from kvstore.tiers.base import TierStats, byte_view
 from kvstore.tiers.manager import BlockInfo, EvictResult, ReadLease, Reservation, TierManager
+from kvstore.tiers.steps import Steps
 
 __all__ = ["Node", "NodeStats", "Limits", "BlockPage"]
 
@@ -55,6 +64,8 @@ class NodeStats:
     num_reservations: int
     num_sessions: int
     counters: dict[str, int]
+    num_orphaned_sessions: int = 0  # connections gone, processes alive: their slots stay theirs
+    quarantined_slots: int = 0  # expired reservations' slots, kept for writers that may still write
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +76,12 @@ class BlockPage:
 
 
 class _Session:
-    __slots__ = ("reservations", "leases")
+    __slots__ = ("reservations", "leases", "open")
 
     def __init__(self) -> None:
         self.reservations: set[int] = set()
         self.leases: set[int] = set()
+        self.open = True  # False once its connection is gone
 
 
 class Node:
@@ -80,6 +92,7 @@ class Node:
         self.limits = limits
         self.started_at = time.monotonic()
         self._sessions: dict[int, _Session] = {}
+        self._orphans: dict[int, _Session] = {}  # connection gone, owner process not (yet)
         # what `kvstore stats --fleet` turns into this node's hit rate
         self.lookup_counts: collections.Counter[str] = collections.Counter()
         self._session_ids = itertools.count(1)
@@ -90,21 +103,28 @@ class Node:
         self._sessions[session_id] = _Session()
         return session_id
 
-    def close_session(self, session_id: int) -> None:
-        """Abort what the session reserved and release what it leased."""
-        session = self._sessions.pop(session_id, None)
+    def close_session(self, session_id: int, owner_gone: bool = True) -> bool:
+        """End a session whose connection went. With its owner gone, abort what it reserved
+        and release what it leased; otherwise keep all of it (the session is orphaned) and
+        return False: call again with ``owner_gone`` once the owner's process exited."""
+        session = self._sessions.pop(session_id, None) or self._orphans.pop(session_id, None)
         if session is None:
-            return
+            return True
+        session.open = False
+        if not owner_gone and (session.reservations or session.leases):
+            self._orphans[session_id] = session
+            return False
         for reservation_id in session.reservations:
             try:
                 self.manager.abort(reservation_id)
             except NotFound:
-                pass  # expired meanwhile
+                pass  # its commit was refused as expired, which freed it
         for lease_id in session.leases:
             self.manager.release(lease_id)
+        return True
 
     def close_all_sessions(self) -> None:
-        for session_id in list(self._sessions):
+        for session_id in [*self._sessions, *self._orphans]:
             self.close_session(session_id)
 
     # -- namespaces -----------------------------------------------------------------------
@@ -142,36 +162,60 @@ class Node:
         counts["lookup_missed_tokens"] += (len(hashes) - len(tiers)) * block_size
         return tiers
 
-    def begin_save(self, session_id: int, digest: bytes, hashes: Sequence[BlockHash], parent: BlockHash | None) -> Reservation:
+    def begin_save(self, session_id: int, digest: bytes, hashes: Sequence[BlockHash], parent: BlockHash | None) -> Steps[Reservation]:
+        session = self._session(session_id)
         self._check_hashes(hashes)
-        reservation = self.manager.reserve(digest, hashes, parent)
-        self._session(session_id).reservations.add(reservation.id)
+        reservation = yield from self.manager.reserve_steps(digest, hashes, parent)
+        if not session.open:  # the connection went while room was being made
+            self.manager.abort(reservation.id)
+            raise NotFound(f"session {session_id} closed while its reservation was being made.")
+        session.reservations.add(reservation.id)
         return reservation
 
-    def commit_save(self, session_id: int, reservation_id: int, num_written: int | None = None) -> int:
-        self._session(session_id).reservations.discard(reservation_id)
-        reservation = self.manager.reservation(reservation_id)
-        stored = self.manager.commit(reservation_id, num_written)
+    def commit_save(self, session_id: int, reservation_id: int, num_written: int | None, checksums: Sequence[int] | None) -> int:
+        """Commit the session's reservation with the XXH3-64 its writer took of each block."""
+        session = self._session(session_id)
+        self._owned(session.reservations, reservation_id, "reservation")
+        try:
+            reservation = self.manager.reservation(reservation_id)
+        except ReservationExpired:
+            session.reservations.discard(reservation_id)  # its slots were freed with the refusal
+            raise
+        count = len(reservation.blocks) if num_written is None else num_written
+        if checksums is None and count:
+            raise InvalidArgument("a commit carries the XXH3-64 of each block written (taken by the writer); none were given.")
+        stored = self.manager.commit(reservation_id, num_written, checksums)
+        session.reservations.discard(reservation_id)
         self.metrics.stored(stored, stored * reservation.nbytes)
         return stored
 
     def abort_save(self, session_id: int, reservation_id: int) -> None:
-        self._session(session_id).reservations.discard(reservation_id)
+        session = self._session(session_id)
+        self._owned(session.reservations, reservation_id, "reservation")
+        session.reservations.discard(reservation_id)
         self.manager.abort(reservation_id)
 
-    def begin_load(self, session_id: int, digest: bytes, hashes: Sequence[BlockHash]) -> ReadLease:
+    def begin_load(self, session_id: int, digest: bytes, hashes: Sequence[BlockHash]) -> Steps[ReadLease]:
+        session = self._session(session_id)
         self._check_hashes(hashes)
         tiers = self.manager.lookup(digest, hashes)
-        lease = self.manager.acquire(digest, hashes, TierKind.HOST)
-        self._session(session_id).leases.add(lease.id)
+        lease = yield from self.manager.acquire_steps(digest, hashes, TierKind.HOST)
+        if not session.open:  # the connection went while the blocks were promoted
+            self.manager.release(lease.id)
+            raise NotFound(f"session {session_id} closed while its lease was being granted.")
+        session.leases.add(lease.id)
         self.metrics.loaded(digest, tiers[: len(lease.blocks)], lease.nbytes)
         return lease
 
-    def end_load(self, session_id: int, lease_id: int) -> None:
-        self._session(session_id).leases.discard(lease_id)
-        self.manager.release(lease_id)
+    def end_load(self, session_id: int, lease_id: int, corrupt_index: int | None = None) -> None:
+        """Release the session's lease; ``corrupt_index``: its reader found that block's
+        bytes do not match its checksum (the block is dropped)."""
+        session = self._session(session_id)
+        self._owned(session.leases, lease_id, "lease")
+        session.leases.discard(lease_id)
+        self.manager.release(lease_id, corrupt_index)
 
-    def put_inline(self, digest: bytes, hashes: Sequence[BlockHash], payloads: Sequence[bytes], parent: BlockHash | None) -> int:
+    def put_inline(self, digest: bytes, hashes: Sequence[BlockHash], payloads: Sequence[bytes], parent: BlockHash | None) -> Steps[int]:
         """Store blocks whose bytes came with the request (remote clients, small payloads)."""
         self._check_hashes(hashes)
         nbytes = self.manager.block_bytes(digest)
@@ -186,18 +230,18 @@ class Node:
         for block_hash, tensor in zip(hashes, tensors):
             if tensor.numel() != nbytes:
                 raise InvalidArgument(f"block {block_hash.hex()} has {tensor.numel()} bytes; this namespace's blocks have {nbytes}.")
-        stored = self.manager.put(digest, hashes, tensors, parent_hash=parent)
+        stored = yield from self.manager.put_steps(digest, hashes, tensors, parent_hash=parent)
         self.metrics.stored(stored, stored * nbytes)
         return stored
 
-    def get_inline(self, digest: bytes, hashes: Sequence[BlockHash]) -> list[bytes]:
+    def get_inline(self, digest: bytes, hashes: Sequence[BlockHash]) -> Steps[list[bytes]]:
         """The bytes of the longest cached prefix of ``hashes`` (bounded by max_inline_bytes)."""
         self._check_hashes(hashes)
         nbytes = self.manager.block_bytes(digest)
         limit = max(1, self.limits.max_inline_bytes // nbytes)
         session_id = self.open_session()
         try:
-            lease = self.begin_load(session_id, digest, list(hashes)[:limit])
+            lease = yield from self.begin_load(session_id, digest, list(hashes)[:limit])
             return [bytes(byte_view(view).numpy()) for view in self.manager.lease_views(lease)]
         finally:
             self.close_session(session_id)
@@ -216,6 +260,8 @@ class Node:
             num_reservations=manager.num_reservations,
             num_sessions=len(self._sessions),
             counters={**manager.counters, **self.lookup_counts},
+            num_orphaned_sessions=len(self._orphans),
+            quarantined_slots=manager.quarantined_slots,
         )
 
     def list_blocks(
@@ -266,9 +312,9 @@ class Node:
         return self.manager.unpin(digest, hashes)
 
     def housekeeping(self) -> None:
-        """Periodic work: reclaim expired reservations, demote above the watermarks, refresh gauges."""
+        """Periodic work that never waits: expire reservations, refresh gauges. (Demotion
+        above the watermarks waits for NVMe; the daemon drives ``relieve_pressure_steps``.)"""
         self.manager.expire_reservations()
-        self.manager.relieve_pressure()
         self.metrics.refresh(self.manager)
 
     # -- checks --------------------------------------------------------------------------
@@ -277,6 +323,13 @@ class Node:
             return self._sessions[session_id]
         except KeyError:
             raise NotFound(f"session {session_id} is not open on node {self.node_id}.") from None
+
+    @staticmethod
+    def _owned(handles: set[int], handle: int, what: str) -> None:
+        if handle not in handles:
+            raise NotFound(
+                f"{what} {handle} was not granted to this connection (or was given back already); a connection may only use its own."
+            )
 
     def _check_hashes(self, hashes: Sequence[BlockHash]) -> None:
         # The front ends check each hash's shape where the bytes arrive (the local protocol

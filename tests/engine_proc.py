@@ -13,7 +13,6 @@ import torch
 from kvstore.client import KVStoreClient
 from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
-from kvstore.localproto import Op, pack_hashes
 from kvstore.namespace import Namespace
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")  # 32 KiB blocks
@@ -38,8 +37,8 @@ def main() -> None:
             intact = all(torch.equal(t, kv_for(h)) for t, h in zip(into[:loaded], hashes))
             result = {"loaded": loaded, "intact": intact, "lookup": client.lookup(digest, hashes).num_blocks}
         elif mode == "hold":
-            lease_id, offsets = client._call(Op.ACQUIRE, digest, pack_hashes(hashes))
-            print(json.dumps({"held": len(offsets)}), flush=True)
+            lease = client.acquire(digest, hashes)
+            print(json.dumps({"held": lease.num_blocks}), flush=True)
             time.sleep(600)
             return
         else:

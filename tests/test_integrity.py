@@ -27,7 +27,7 @@ from daemon_harness import daemons, eventually
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.client import KVStoreClient
-from kvstore.errors import CorruptBlock, DaemonUnavailable, InvalidArgument, KVStoreError, NotFound, ReservationExpired
+from kvstore.errors import DaemonUnavailable, InvalidArgument, KVStoreError, NotFound, ReservationExpired
 from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
 from kvstore.localproto import Op, encode_request, namespace_to_wire, pack_hashes
@@ -66,7 +66,7 @@ def stats(daemon) -> pb.StatsResponse:
 
 
 def host_used(daemon) -> int:
-    return next(t.used_bytes for t in stats(daemon).tiers if t.kind == pb.TIER_HOST)
+    return next(t.used_bytes for t in stats(daemon).tiers if t.tier == pb.TIER_HOST)
 
 
 class Raw:
@@ -226,8 +226,11 @@ def test_loads_verified_by_the_client_when_configured(start):
         _overwrite_committed(daemon, client, digest, hashes[1])
         assert load_intact(client, digest, hashes) == (1, True)
         assert client.lookup(digest, hashes).num_blocks == 1  # the block that failed was dropped
-        with pytest.raises(CorruptBlock):
-            client.acquire(digest, hashes[1:], require_verified=True)
+    with KVStoreClient(daemon.socket, verify_loads=False) as client:  # the daemon's setting, overridden
+        digest = client.register_namespace(NAMESPACE)
+        assert save(client, digest, hashes[1:2]) == 1
+        _overwrite_committed(daemon, client, digest, hashes[1])
+        assert load_intact(client, digest, hashes) == (5, False)  # unverified: the changed bytes are handed out
 
 
 # -- 3. handles are bound to their session, and are not guessable --------------------------------
@@ -240,7 +243,7 @@ def test_handles_of_another_connection_are_refused(start):
         with KVStoreClient(daemon.socket) as client:
             client.register_namespace(NAMESPACE)
             save(client, digest, chain(8, 2))
-        lease_id, offsets = owner.call(Op.ACQUIRE, digest, pack_hashes(chain(8, 2)))
+        lease_id, offsets, _ = owner.call(Op.ACQUIRE, digest, pack_hashes(chain(8, 2)))
         reservation_id, placements = owner.call(Op.RESERVE, digest, pack_hashes(chain(9, 2)), None)
         assert len(offsets) == 2 and len(placements) == 2
         for op, args in ((Op.RELEASE, (lease_id,)), (Op.COMMIT, (reservation_id, None, None)), (Op.ABORT, (reservation_id,))):
@@ -269,9 +272,11 @@ def test_a_call_that_timed_out_poisons_nothing(start):
     daemon.process.send_signal(signal.SIGSTOP)
     try:
         with pytest.raises(DaemonUnavailable):
-            client.lookup(digest, chain(10, 5))
-        with pytest.raises(DaemonUnavailable):
             client.acquire(digest, chain(10, 5))  # a lease the daemon grants after the client gave up
+        started = time.monotonic()
+        with pytest.raises(DaemonUnavailable, match="has not answered"):
+            client.lookup(digest, chain(10, 5))
+        assert time.monotonic() - started < 0.4  # while an answer is overdue, calls fail at once
     finally:
         daemon.process.send_signal(signal.SIGCONT)
     assert client.lookup(digest, chain(11, 5)).num_blocks == 3  # its own answer, not the late one
@@ -393,7 +398,7 @@ def test_malformed_requests_get_a_clear_error(start, body):
         reply = raw.reply()
         assert reply[0] == body[0] and reply[1] == 1 and reply[2] == "InvalidArgument", reply
         assert "internal error" not in reply[3] and len(reply[3]) < 600
-        assert raw.call(Op.LOOKUP, NAMESPACE.digest, b"") is not None or True  # the connection still serves
+        assert raw.call(Op.REGISTER, namespace_to_wire(NAMESPACE))[0] == NAMESPACE.digest  # the connection still serves
     finally:
         raw.close()
     assert "Traceback" not in daemon.log()
@@ -429,13 +434,15 @@ def _lookup_p99_while(daemon, attack) -> float:
 
 def test_a_huge_frame_of_small_integers_does_not_stall_other_engines(start):
     daemon = start()
+    huge = msgpack.packb([1, Op.LOOKUP, [7] * 16_000_000])  # 16 MB of one-byte integers
+    nested = msgpack.packb([2, Op.LOOKUP, *[[[[[1] * 15] * 15] * 15] * 7] * 14])  # as many small objects as fit below the limit
 
     def attack() -> None:
-        for _ in range(3):
+        for frame in (huge, nested, nested, huge):
             try:
                 raw = Raw(daemon.socket)
-                raw.send_frame(msgpack.packb([1, Op.LOOKUP, list(range(16_000_000))]))
-                raw.reply()
+                raw.send_frame(frame)
+                assert raw.reply()[2] == "InvalidArgument"
                 raw.close()
             except (ConnectionError, OSError):
                 pass
@@ -455,12 +462,12 @@ def test_a_client_that_never_reads_replies_cannot_grow_the_daemon(start):
     before = rss()
     raw = Raw(daemon.socket)
     raw.sock.setblocking(False)
-    frame = encode_request(9, Op.LOOKUP, (b"\xab" * (512 * 1024), b""))
+    frames = encode_request(9, Op.LOOKUP, (b"\xab" * (512 * 1024), b"")) * 64
     sent = 0
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and sent < 1 << 30:
         try:
-            sent += raw.sock.send(frame)
+            sent += raw.sock.send(memoryview(frames)[sent % len(frames) :])
         except BlockingIOError:
             time.sleep(0.01)
     assert rss() - before < 64 << 20

@@ -139,9 +139,14 @@ def test_reservations_expire_and_late_commits_are_refused():
     assert manager.tier(TierKind.HOST).stats().used_bytes == 2 * BLOCK
     clock.now = 6.0
     assert manager.expire_reservations() == 1
-    assert manager.tier(TierKind.HOST).stats().used_bytes == 0
+    # its keys are free for other writers, its slots quarantined: the writer may still be copying
+    assert manager.tier(TierKind.HOST).stats().used_bytes == 2 * BLOCK and manager.quarantined_slots == 2
+    with pytest.raises(CapacityExhausted):
+        manager.reserve(NS, chain(1, 2))
     with pytest.raises(ReservationExpired):
-        manager.commit(reservation.id)
+        manager.commit(reservation.id)  # the late writer lets go: now the slots are free
+    assert manager.tier(TierKind.HOST).stats().used_bytes == 0 and manager.quarantined_slots == 0
+    assert len(manager.reserve(NS, chain(1, 2)).blocks) == 2
     with pytest.raises(NotFound):
         manager.commit(12345)
 

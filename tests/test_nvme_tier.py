@@ -213,9 +213,11 @@ def test_a_trailer_left_by_an_earlier_size_class_is_not_resurrected(tmp_path, mo
         second, _, _ = put(tier, 1, 200_000)
         assert second.offset == first.offset + 204_800
         tier.free(first)
+        tier.wait_freed()  # a freed slot's trailer is zeroed in the I/O pool
         with monkeypatch.context() as patch:
             patch.setattr(os, "pwritev", fail_clearing(os.pwritev, trailer_offset(second)))
             tier.free(second)  # its trailer stays on disk
+            tier.wait_freed()
         assert tier.num_write_errors == 1
         # the page now serves half-size slots: the fourth one's trailer lies on the stale one
         slot, meta, _ = put(tier, 2, 98_304)
@@ -234,6 +236,7 @@ def test_a_reused_slot_whose_trailer_could_not_be_cleared_never_shows_the_old_bl
         with monkeypatch.context() as patch:
             patch.setattr(os, "pwritev", fail_clearing(os.pwritev))
             tier.free(slot)  # the old block's trailer stays on disk
+            tier.wait_freed()
         assert tier.allocate(50_000) == slot
         meta, data = make_block(1, 50_000)
         with monkeypatch.context() as patch, pytest.raises(Crash):
@@ -249,6 +252,7 @@ def test_a_stale_trailer_never_comes_back_when_its_page_is_carved_again(tmp_path
         with monkeypatch.context() as patch:
             patch.setattr(os, "pwritev", fail_clearing(os.pwritev))
             tier.free(slot)  # its trailer stays on disk
+            tier.wait_freed()
         # the empty page now serves 12 KiB slots, none of whose trailers lies on the stale one
         other, _, _ = put(tier, 1, 8_000)
         assert other.offset == slot.offset and 204_800 % other.nbytes

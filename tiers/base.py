@@ -16,16 +16,17 @@ from __future__ import annotations
 import abc
 import ctypes
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import xxhash
 
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import BlockHash
 from kvstore.tier_kind import TierKind
 from kvstore.tiers.slab import Slot
 
-__all__ = ["BlockMeta", "Tier", "TierStats", "byte_view", "copy_bytes"]
+__all__ = ["BlockMeta", "Tier", "TierStats", "block_checksum", "byte_view", "copy_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,9 @@ class BlockMeta:
     block_hash: BlockHash
     parent_hash: BlockHash | None
     nbytes: int
+    # XXH3-64 of the bytes as their writer committed them, where known: a tier that writes
+    # a copy (NVMe, on demotion) checks it and refuses bytes that changed since (CorruptBlock)
+    checksum: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +103,12 @@ def _run_now(operation, slot: Slot, tensor: torch.Tensor, meta: BlockMeta) -> Fu
     else:
         future.set_result(None)
     return future
+
+
+def block_checksum(data: torch.Tensor) -> int:
+    """XXH3-64 of a flat uint8 CPU tensor's bytes: what a block's writer commits, and what
+    every copy of it is checked against (the NVMe tier and the transport use the same)."""
+    return xxhash.xxh3_64_intdigest(memoryview(data.numpy()))
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,8 @@ class BlockEntry:
         "slot",
         "nbytes",
         "num_leases",
+        "num_readers",
+        "checksum",
         "pinned",
         "reachable",
         "moving",
@@ -41,7 +43,9 @@ class BlockEntry:
         "last_access",
     )
 
-    def __init__(self, key: BlockKey, parent_key: BlockKey | None, tier: TierKind, slot: Slot, nbytes: int, now: float) -> None:
+    def __init__(
+        self, key: BlockKey, parent_key: BlockKey | None, tier: TierKind, slot: Slot, nbytes: int, now: float, checksum: int | None = None
+    ) -> None:
         self.key = key
         self.parent_key = parent_key
         self.parent: BlockEntry | None = None
@@ -49,7 +53,15 @@ class BlockEntry:
         self.tier = tier
         self.slot = slot
         self.nbytes = nbytes
+        # holds of any kind (a read lease, a move, a reservation extending the chain): a
+        # held block is never evicted
         self.num_leases = 0
+        # the holds that are read leases: their holders read the block's slot, so it is
+        # never moved out of its tier while one is out (tiers/movement.py)
+        self.num_readers = 0
+        # XXH3-64 of the bytes, taken by whoever wrote them (the engine's client, the
+        # transport on receive); None only where no bytes are kept (the simulator)
+        self.checksum = checksum
         self.pinned = False
         self.reachable = parent_key is None
         # set while the block is being moved out of its tier: it no longer counts as a

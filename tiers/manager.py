@@ -26,9 +26,18 @@ lookups and composes one collaborator per concern, each in its own module:
 They share the manager's event queue and counters and call each other only downwards in
 that list (the two paths use the mover and residency, never each other).
 
+Operations that may wait for NVMe I/O (reserve, acquire, put, demotion, persisting)
+come in two forms: ``*_steps`` generators (tiers/steps.py), which an owner that must keep
+serving drives without blocking (the daemon awaits each step's futures), and plain
+methods that run the same steps blocking, for synchronous owners.
+
+Handles (reservation and lease ids) are random 63-bit integers, never a counter, so one
+cannot be guessed from another.
+
 Owner: one thread (the daemon's event loop, a simulator, a test) owns the manager and
-with it every collaborator. NVMe transfers run in that tier's I/O pool but the manager
-waits for them, so its state is never shared.
+with it every collaborator. NVMe transfers run in that tier's I/O pool; their outcome
+is applied on the owner's thread (``reap``, or whoever waits for it), so its state is
+never shared.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import collections
 import functools
 import itertools
 import operator
+import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -48,7 +58,7 @@ from kvstore.events import BlockStored, EventQueue, RemovalReason
 from kvstore.hashing import BlockHash
 from kvstore.namespace import Namespace
 from kvstore.tier_kind import TierKind
-from kvstore.tiers.base import BlockMeta, Tier, TierStats, byte_view
+from kvstore.tiers.base import BlockMeta, Tier, TierStats, block_checksum, byte_view
 from kvstore.tiers.catalogue import BlockEntry
 from kvstore.tiers.eviction import POLICIES
 from kvstore.tiers.leases import ReadLeases
@@ -58,6 +68,7 @@ from kvstore.tiers.reservations import Reservations
 from kvstore.tiers.residency import Residency
 from kvstore.tiers.slab import Slot
 from kvstore.tiers.stack import TierStack
+from kvstore.tiers.steps import Steps, run
 
 __all__ = [
     "TierManagerConfig",
@@ -110,11 +121,10 @@ class TierManager:
         self._residency = Residency(self._stack, config.eviction_policy, self.events, self.counters)
         self.catalogue = self._residency.catalogue
         self._mover = Mover(self._stack, self._residency, self.events, self.counters, config.high_watermark, config.low_watermark)
-        ids = itertools.count(1)
         self._reservations = Reservations(
-            self._stack, self._residency, self._mover, self.events, self.counters, ids, clock, config.reservation_ttl_s
+            self._stack, self._residency, self._mover, self.events, self.counters, self._new_id, clock, config.reservation_ttl_s
         )
-        self._leases = ReadLeases(self._stack, self._residency, self._mover, self.counters, ids, clock)
+        self._leases = ReadLeases(self._stack, self._residency, self._mover, self.counters, self._new_id, clock)
         self._namespaces: dict[bytes, Namespace | None] = {}
         self._block_bytes: dict[bytes, int] = {}
         for tier in tiers:
@@ -156,13 +166,13 @@ class TierManager:
         return list(map(_TIER_OF, entries))
 
     # -- write path (tiers/reservations.py) -------------------------------------------
-    def reserve(
+    def reserve_steps(
         self,
         namespace: bytes,
         hashes: Sequence[BlockHash],
         parent_hash: BlockHash | None = None,
         tier: TierKind | None = None,
-    ) -> Reservation:
+    ) -> Steps[Reservation]:
         """Slots for the blocks of ``hashes`` not cached yet, in chain order.
 
         When room runs out part-way, the reservation covers the leading blocks that fit (a
@@ -170,21 +180,37 @@ class TierManager:
         """
         nbytes = self.block_bytes(namespace)
         kind = self._stack.usable(tier)
-        return self._reservations.reserve(namespace, nbytes, kind, hashes, parent_hash)
+        return (yield from self._reservations.reserve_steps(namespace, nbytes, kind, hashes, parent_hash))
 
-    def commit(self, reservation_id: int, num_written: int | None = None) -> int:
-        """Make the first ``num_written`` (default: all) reserved blocks visible; release the rest."""
-        count = self._reservations.commit(reservation_id, num_written)
+    def reserve(
+        self, namespace: bytes, hashes: Sequence[BlockHash], parent_hash: BlockHash | None = None, tier: TierKind | None = None
+    ) -> Reservation:
+        return run(self.reserve_steps(namespace, hashes, parent_hash, tier))
+
+    def commit(self, reservation_id: int, num_written: int | None = None, checksums: Sequence[int | None] | None = None) -> int:
+        """Make the first ``num_written`` (default: all) reserved blocks visible, each with
+        the XXH3-64 its writer took (``checksums``, one per block written; None: taken from
+        the slots now); release the rest."""
+        count = self._reservations.commit(reservation_id, num_written, checksums)
         if self.config.demote_on_commit:
-            self._mover.relieve_pressure()
+            run(self._mover.relieve_pressure_steps())
         return count
 
     def abort(self, reservation_id: int) -> None:
         self._reservations.abort(reservation_id)
 
     def expire_reservations(self) -> int:
-        """Reclaim reservations whose writer never committed; returns how many."""
+        """Stop holding the keys of reservations past their deadline (their slots stay
+        quarantined for their writer); returns how many expired."""
         return self._reservations.expire()
+
+    def release_expired(self, reservation_id: int) -> bool:
+        """Free the quarantined slots of an expired reservation whose writer is gone."""
+        return self._reservations.release_expired(reservation_id)
+
+    def holds_reservation(self, reservation_id: int) -> bool:
+        """Whether ``reservation_id`` is open, or expired with its slots still quarantined."""
+        return self._reservations.holds(reservation_id)
 
     def reservation(self, reservation_id: int) -> Reservation:
         """An open reservation (NotFound / ReservationExpired otherwise)."""
@@ -195,10 +221,11 @@ class TierManager:
         slots = [block.slot for block in reservation.blocks]
         return self._stack.views(reservation.tier, slots, reservation.nbytes, "cannot be written through views")
 
-    def put(
+    def put_steps(
         self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor], parent_hash: BlockHash | None = None
-    ) -> int:
-        """Reserve, copy and commit a chain of blocks; returns how many were new."""
+    ) -> Steps[int]:
+        """Reserve, copy and commit a chain of blocks (the manager is their writer here, so
+        it takes their checksums); returns how many were new."""
         if len(blocks) != len(hashes):
             raise InvalidArgument(f"{len(hashes)} hashes were given with {len(blocks)} blocks.")
         nbytes = self.block_bytes(namespace)
@@ -210,32 +237,41 @@ class TierManager:
         chunk = max(1, self._stack.capacity_in_blocks(self._stack.usable(None), nbytes) // 4)
         stored = 0
         for start in range(0, len(hashes), chunk):
-            reservation = self.reserve(namespace, hashes[start : start + chunk], hashes[start - 1] if start else parent_hash)
+            parent = hashes[start - 1] if start else parent_hash
+            reservation = yield from self.reserve_steps(namespace, hashes[start : start + chunk], parent)
             tier = self._stack[reservation.tier]
             try:
+                checksums = []
                 for block in reservation.blocks:
-                    tier.write(block.slot, data[block.block_hash], BlockMeta(namespace, block.block_hash, block.parent_hash, nbytes))
+                    view = data[block.block_hash]
+                    tier.write(block.slot, view, BlockMeta(namespace, block.block_hash, block.parent_hash, nbytes))
+                    checksums.append(block_checksum(view) if tier.holds_bytes else None)
             except BaseException:
                 self.abort(reservation.id)
                 raise
-            stored += self.commit(reservation.id)
+            stored += self.commit(reservation.id, None, checksums)
         return stored
 
+    def put(
+        self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor], parent_hash: BlockHash | None = None
+    ) -> int:
+        return run(self.put_steps(namespace, hashes, blocks, parent_hash))
+
     # -- staging (transfers) ------------------------------------------------------------
-    def allocate_staging(self, namespace: bytes, count: int) -> list[Slot]:
+    def allocate_staging_steps(self, namespace: bytes, count: int) -> Steps[list[Slot]]:
         """``count`` slots of the top memory tier that belong to no block yet: a handoff
         lands there layer by layer and its reader reads there before the blocks are stored
         (staging slots are neither leased nor evictable; their owner frees them). All or CapacityExhausted."""
         nbytes = self.block_bytes(namespace)
         kind = self._stack.usable(None)
-        slots: list[Slot] = []
-        for _ in range(count):
-            slot = self._mover.allocate(kind, nbytes)
-            if slot is None:
-                self.free_staging(slots)
-                raise CapacityExhausted(f"the {kind.value} tier has no room to stage {count} blocks of {nbytes} bytes.")
-            slots.append(slot)
+        slots = yield from self._mover.allocate_steps(kind, nbytes, count)
+        if len(slots) < count:
+            self.free_staging(slots)
+            raise CapacityExhausted(f"the {kind.value} tier has no room to stage {count} blocks of {nbytes} bytes.")
         return slots
+
+    def allocate_staging(self, namespace: bytes, count: int) -> list[Slot]:
+        return run(self.allocate_staging_steps(namespace, count))
 
     def staging_views(self, namespace: bytes, slots: Sequence[Slot]) -> list[torch.Tensor]:
         nbytes = self.block_bytes(namespace)
@@ -247,19 +283,26 @@ class TierManager:
             self._stack.free_quietly(kind, slot)
 
     # -- read path (tiers/leases.py) ----------------------------------------------------
-    def acquire(self, namespace: bytes, hashes: Iterable[BlockHash], tier: TierKind | None = None) -> ReadLease:
+    def acquire_steps(self, namespace: bytes, hashes: Iterable[BlockHash], tier: TierKind | None = None) -> Steps[ReadLease]:
         """Lease the longest cached prefix of ``hashes``, moved into ``tier`` first (default:
         the top tier). Blocks that cannot be moved or fail verification end the prefix."""
         nbytes = self.block_bytes(namespace)
         kind = self._stack.usable(tier)
-        return self._leases.acquire(namespace, nbytes, kind, hashes)
+        return (yield from self._leases.acquire_steps(namespace, nbytes, kind, hashes))
+
+    def acquire(self, namespace: bytes, hashes: Iterable[BlockHash], tier: TierKind | None = None) -> ReadLease:
+        return run(self.acquire_steps(namespace, hashes, tier))
 
     def lease_views(self, lease: ReadLease) -> list[torch.Tensor]:
         slots = [block.slot for block in lease.blocks]
         return self._stack.views(lease.tier, slots, lease.nbytes, "cannot be read through views")
 
-    def release(self, lease_id: int) -> None:
-        self._leases.release(lease_id)
+    def release(self, lease_id: int, corrupt_index: int | None = None) -> None:
+        """Let go of a lease; ``corrupt_index`` names a block its reader found corrupt (it is dropped)."""
+        self._leases.release(lease_id, corrupt_index)
+
+    def holds_lease(self, lease_id: int) -> bool:
+        return self._leases.holds(lease_id)
 
     def get(self, namespace: bytes, block_hash: BlockHash, out: torch.Tensor) -> bool:
         """Copy one cached block into ``out``; False on a miss."""
@@ -309,16 +352,35 @@ class TierManager:
             evicted += 1
         return EvictResult(evicted, skipped)
 
-    def relieve_pressure(self) -> int:
+    def relieve_pressure_steps(self) -> Steps[int]:
         """Demote from every tier above its high watermark to under its low one; returns the
         number of blocks moved."""
-        return self._mover.relieve_pressure()
+        return (yield from self._mover.relieve_pressure_steps())
+
+    def relieve_pressure(self) -> int:
+        return run(self.relieve_pressure_steps())
 
     def persist(self, batch: int = 256) -> int:
         """Move every block of the tiers above the lowest one into it, as far as it has room
         (before a planned restart: only the lowest, persistent tier survives one). Returns
         the number of blocks moved."""
-        return self._mover.persist(batch)
+        return run(self._mover.persist_steps(batch))
+
+    # -- I/O completion ---------------------------------------------------------------------
+    def wait_moves(self) -> None:
+        """Block until every move in flight has ended and apply their outcomes (before a
+        synchronous owner takes over from an asynchronous one, e.g. at shutdown)."""
+        while self._mover.num_in_flight:
+            run(self._mover.wait_in_flight_steps())
+
+    def reap(self) -> int:
+        """Apply the outcome of every move whose NVMe transfer has ended; returns how many."""
+        return self._mover.reap()
+
+    def on_io_done(self, callback: Callable[[], None] | None) -> None:
+        """Have ``callback`` called (from an I/O thread) whenever a move's transfer ends, so
+        that an owner that does not wait for every move itself can ``reap`` on its thread."""
+        self._mover.on_io_done = callback
 
     # -- inspection -------------------------------------------------------------------
     def tier(self, kind: TierKind) -> Tier:
@@ -343,6 +405,15 @@ class TierManager:
     def num_reservations(self) -> int:
         return len(self._reservations)
 
+    @property
+    def quarantined_slots(self) -> int:
+        """Slots of expired reservations kept for writers that may still write them."""
+        return self._reservations.quarantined_slots
+
+    @property
+    def num_moves_in_flight(self) -> int:
+        return self._mover.num_in_flight
+
     def blocks(self, namespace: bytes | None = None, tier: TierKind | None = None) -> Iterator[BlockInfo]:
         for e in self.catalogue:
             if (namespace is None or e.key[0] == namespace) and (tier is None or e.tier == tier):
@@ -354,6 +425,13 @@ class TierManager:
             tier.close()
 
     # -- internals --------------------------------------------------------------------
+    def _new_id(self) -> int:
+        """A handle nobody can guess: random, above 2**32, unused by any reservation or lease."""
+        while True:
+            handle = secrets.randbits(63)
+            if handle > 1 << 32 and not self._reservations.holds(handle) and not self._leases.holds(handle):
+                return handle
+
     def _entries_for(self, namespace: bytes, hashes: Iterable[BlockHash]) -> Iterator[BlockEntry]:
         self.block_bytes(namespace)
         for block_hash in hashes:
@@ -365,7 +443,7 @@ class TierManager:
         """Catalogue what a persistent tier found in its slots at start; a block whose
         namespace is known with another block size, or that is cached already, is freed."""
         now = self._clock()
-        for slot, meta, _checksum in recovered:
+        for slot, meta, checksum in recovered:
             key = (meta.namespace, meta.block_hash)
             known = self._block_bytes.setdefault(meta.namespace, meta.nbytes)
             if known != meta.nbytes or key in self.catalogue:
@@ -373,6 +451,6 @@ class TierManager:
                 continue
             self._namespaces.setdefault(meta.namespace, None)
             parent_key = None if meta.parent_hash is None else (meta.namespace, meta.parent_hash)
-            self._residency.add([BlockEntry(key, parent_key, tier.kind, slot, meta.nbytes, now)])
+            self._residency.add([BlockEntry(key, parent_key, tier.kind, slot, meta.nbytes, now, checksum)])
             self.events.append(BlockStored(meta.namespace, (meta.block_hash,), meta.parent_hash, tier.kind, meta.nbytes))
             self.counters["blocks_recovered"] += 1

@@ -21,11 +21,13 @@ completely written, wherever the process is killed. So it goes after them:
   writers, (3) the trailer, so that after a power loss too a valid trailer lies only over
   durable bytes. Nothing syncs after step 3: the newest blocks may be lost, as misses.
 
-``free`` zeroes the trailer, so a freed block is not resurrected and no valid trailer lies
-over a slot's next bytes while they land; if that write fails, the slot's next write
-zeroes it first. A page header is written (and synced with ``sync_writes``) before the
-first slot of each carving of its page, with a fresh ``seq``; a restart takes only
-trailers newer than their page header, so none from an earlier carving comes back.
+``free`` returns the slot at once and zeroes its trailer in the I/O pool (the owner
+never waits on the disk), so a freed block is not resurrected and no valid trailer lies
+over a slot's next bytes while they land: a write that gets the slot before the zeroing
+ran does it first, and if the zeroing fails, the slot's next write zeroes it first too.
+A page header is written (and synced with ``sync_writes``) before the first slot of each
+carving of its page, with a fresh ``seq``; a restart takes only trailers newer than
+their page header, so none from an earlier carving comes back.
 
 Threads: ``allocate``, ``free`` and ``stats`` belong to the owner (the tier manager);
 ``write`` and ``read`` may run at once on distinct slots, from the tier's own pool
@@ -38,7 +40,7 @@ import logging
 import os
 import threading
 from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +74,8 @@ logger = logging.getLogger(__name__)
 
 # Linux moves at most 2 GiB - 4 KiB per read or write call; a slot must fit in one.
 _MAX_PAGE_BYTES = 1 << 30
+
+_DONE = object()  # no zeroing pending for a slot
 
 # (slot, meta, XXH3-64 of the payload) for each block found intact at start
 Recovered = tuple[Slot, BlockMeta, int]
@@ -145,9 +149,10 @@ class NvmeTier(Tier):
         self.num_corrupt = 0
         self.num_write_errors = 0
         self.num_read_errors = 0
+        self.num_refused = 0  # writes of bytes that no longer matched their committed checksum
         self.bytes_in = 0
         self.bytes_stored = 0
-        # _lock guards the allocator, the counters, _next_seq and _uncleared;
+        # _lock guards the allocator, the counters, _next_seq, _uncleared and _clearing;
         # _page_header_lock serialises page-header writes, which hold it across an fdatasync
         self._lock = threading.Lock()
         self._page_header_lock = threading.Lock()
@@ -168,6 +173,9 @@ class NvmeTier(Tier):
         self._next_seq = 1
         # slots whose trailer may still validate for a block freed or dropped
         self._uncleared: set[Slot] = set()
+        # freed slots whose trailer is not zeroed yet: None while queued, an Event while it runs
+        self._clearing: dict[Slot, threading.Event | None] = {}
+        self._pending_clears: set[Future] = set()
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-nvme")
         try:
             self._recovered = self._rebuild()
@@ -197,29 +205,85 @@ class NvmeTier(Tier):
         return slot
 
     def free(self, slot: Slot) -> None:
+        """Return a slot at once; its trailer is zeroed in the I/O pool (so a freed block never
+        comes back after a restart) without the owner waiting on the disk. A write that gets
+        the slot before that zeroing ran does it first, itself."""
         self._check_slot(slot)
-        if not self._clear_trailer(slot):
-            # the block may come back after a restart; every read still verifies it
-            with self._lock:
-                self.num_write_errors += 1
-            logger.warning("Could not clear the NVMe slot trailer of %d in %s.", slot.offset, self._files.path_of(slot.offset))
         with self._lock:
             self._allocator.free(slot)
             self.num_blocks -= 1
+            self._clearing[slot] = None
+        try:
+            future = self._executor.submit(self._clear_freed, slot)
+        except RuntimeError:  # the pool is shut down: the tier is closing
+            self._clear_freed(slot)
+            return
+        with self._lock:
+            self._pending_clears.add(future)
+        future.add_done_callback(self._clear_done)
+
+    def wait_freed(self) -> None:
+        """Wait until the trailer of every slot freed so far is zeroed (or its failure noted)."""
+        with self._lock:
+            pending = list(self._pending_clears)
+        wait(pending)
+
+    def _clear_done(self, future: Future) -> None:
+        with self._lock:
+            self._pending_clears.discard(future)
+
+    def _clear_freed(self, slot: Slot) -> None:
+        with self._lock:
+            if self._clearing.get(slot, _DONE) is not None:
+                return  # a write took the slot and zeroed its trailer first
+            done = threading.Event()
+            self._clearing[slot] = done
+        try:
+            if not self._clear_trailer(slot):
+                # the block may come back after a restart; every read still verifies it
+                with self._lock:
+                    self.num_write_errors += 1
+                logger.warning("Could not clear the NVMe slot trailer of %d in %s.", slot.offset, self._files.path_of(slot.offset))
+        finally:
+            with self._lock:
+                if self._clearing.get(slot) is done:
+                    del self._clearing[slot]
+            done.set()
+
+    def _must_clear_before_write(self, slot: Slot) -> bool:
+        """Whether the slot's old trailer may still validate, so that a write must zero it
+        before its bytes land; waits for a zeroing already under way."""
+        while True:
+            with self._lock:
+                state = self._clearing.get(slot, _DONE)
+                if state is _DONE:
+                    return slot in self._uncleared
+                if state is None:  # freed, not zeroed yet: this write does it
+                    del self._clearing[slot]
+                    return True
+            state.wait()
 
     def write(self, slot: Slot, src: torch.Tensor, meta: BlockMeta) -> None:
+        """Write a block; with ``meta.checksum`` set (a demotion), bytes that no longer match
+        the checksum their writer committed are refused (CorruptBlock) before any I/O."""
         payload = _flat_bytes(src, meta, "src")
         self._check_slot(slot, meta)
         checksum = xxhash.xxh3_64_intdigest(payload)
+        if meta.checksum is not None and checksum != meta.checksum:
+            with self._lock:
+                self.num_refused += 1
+            raise CorruptBlock(
+                f"block {meta.block_hash.hex()} changed since it was committed (its checksum no longer matches); it is not written."
+            )
         flags, stored = self._codec.encode(payload) if self.config.compression == "zstd" else (0, payload)
         trailer_offset = slot.offset + slot.nbytes - TRAILER_BYTES
         try:
             # before this block's seq is taken: a restart takes only trailers newer than their page header
             self._write_page_header(slot)
+            uncleared = self._must_clear_before_write(slot)
             with self._lock:
                 seq = self._next_seq
                 self._next_seq += 1
-                uncleared = slot in self._uncleared
             if uncleared:  # its old trailer must not lie over the new bytes as they land
                 self._files.write(trailer_offset, [self._files.zeros])
             trailer = self._files.header_buffer()

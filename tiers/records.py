@@ -37,6 +37,7 @@ class Reservation:
 class LeasedBlock:
     block_hash: BlockHash
     slot: Slot
+    checksum: int | None  # XXH3-64 its writer committed: a reader may verify what it copies
 
 
 @dataclass(frozen=True, slots=True)

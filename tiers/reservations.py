@@ -1,12 +1,20 @@
 """The write path's open reservations: slots handed to a writer, not yet visible.
 
 A writer reserves slots for the blocks of a chain that are not cached yet, copies into
-them and commits: only then do the blocks enter the catalogue (and the BlockStored event
-is appended), so a reader never sees a half-written block. A key under an open
-reservation is *pending*: a second writer of the same chain counts it as cached instead
-of writing it twice. A reservation not committed by its deadline is reclaimed, so a
-crashed writer leaks nothing; its id is remembered for a while, so a late commit gets
-ReservationExpired rather than NotFound.
+them and commits, with the XXH3-64 of each block's bytes: only then do the blocks enter
+the catalogue (and the BlockStored event is appended), so a reader never sees a
+half-written block, and from then on every copy of the block out of the daemon's trust
+is checked against what its writer committed. A key under an open reservation is
+*pending*: a second writer of the same chain counts it as cached instead of writing it
+twice.
+
+A reservation belongs to its writer until the writer lets go (commit or abort) or is
+provably gone (the daemon's session layer, kvstore/node.py, decides that). One not
+committed by its deadline *expires*: its keys stop being pending, so another writer may
+store them, but its slots stay reserved — quarantined — because the writer may still be
+copying into them; they are freed when the writer commits (refused with
+ReservationExpired), aborts, or ``release_expired`` is told it is gone. A timer never
+hands a slot to someone else while its old holder might still write it.
 
 Owner: the tier manager's thread (see tiers/manager.py); not thread-safe.
 """
@@ -14,21 +22,22 @@ Owner: the tier manager's thread (see tiers/manager.py); not thread-safe.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.errors import CapacityExhausted, InvalidArgument, NotFound, ReservationExpired
 from kvstore.events import BlockStored, EventQueue
 from kvstore.hashing import BlockHash
 from kvstore.tier_kind import TierKind
+from kvstore.tiers.base import block_checksum
 from kvstore.tiers.catalogue import BlockEntry, BlockKey
+from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.movement import Mover
 from kvstore.tiers.records import Reservation, ReservedBlock
 from kvstore.tiers.residency import Residency
 from kvstore.tiers.stack import TierStack
+from kvstore.tiers.steps import Steps
 
 __all__ = ["Reservations"]
-
-_MAX_EXPIRED_IDS = 10_000
 
 
 class Reservations:
@@ -39,7 +48,7 @@ class Reservations:
         mover: Mover,
         events: EventQueue,
         counters: collections.Counter[str],
-        ids: Iterator[int],
+        new_id: Callable[[], int],
         clock: Callable[[], float],
         ttl_s: float,
     ) -> None:
@@ -48,75 +57,94 @@ class Reservations:
         self._mover = mover
         self._events = events
         self._counters = counters
-        self._ids = ids  # shared with the read leases: no reservation and lease share an id
+        self._new_id = new_id  # shared with the read leases: no reservation and lease share an id
         self._clock = clock
         self._ttl_s = ttl_s
         self._open: dict[int, Reservation] = {}
+        self._expired: dict[int, Reservation] = {}  # quarantined: slots held for a writer that may still write
         self._pending: dict[BlockKey, int] = {}
-        self._expired: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._open)
 
-    def reserve(
+    @property
+    def num_expired(self) -> int:
+        return len(self._expired)
+
+    @property
+    def quarantined_slots(self) -> int:
+        return sum(len(r.blocks) for r in self._expired.values())
+
+    def holds(self, reservation_id: int) -> bool:
+        return reservation_id in self._open or reservation_id in self._expired
+
+    def reserve_steps(
         self, namespace: bytes, nbytes: int, kind: TierKind, hashes: Sequence[BlockHash], parent_hash: BlockHash | None
-    ) -> Reservation:
+    ) -> Steps[Reservation]:
         """Slots in ``kind`` for the blocks of ``hashes`` not cached yet, in chain order;
         the leading blocks that fit when room runs out part-way, CapacityExhausted when
         none fit."""
+        if len(set(hashes)) != len(hashes):
+            raise InvalidArgument("a chain names a block more than once; block hashes of one save must be distinct.")
         self.expire()
         residency = self._residency
         keys = [(namespace, h) for h in hashes]
         get = residency.catalogue.get
+        pending = self._pending
+        reservation_id = self._new_id()
+        new_indices = [index for index, key in enumerate(keys) if get(key) is None and key not in pending]
+        num_cached = len(keys) - len(new_indices)
         guarded = [e for e in map(get, [(namespace, parent_hash)] + keys) if e is not None]
         now = self._clock()
         for entry in guarded:  # the chain being extended is in use: not evicted to make room for itself
             entry.last_access = now
             residency.hold(entry)
-        reserved: list[ReservedBlock] = []
-        num_cached = 0
-        pending = self._pending
-        allocate = self._stack[kind].allocate
+        for index in new_indices:  # pending from now on, so a writer arriving while room is made skips them
+            pending[keys[index]] = reservation_id
+        slots = []
         try:
-            for index, key in enumerate(keys):
-                if get(key) is not None or key in pending:
-                    num_cached += 1
-                    continue
-                slot = allocate(nbytes) or self._mover.allocate(kind, nbytes)
-                if slot is None:
-                    break
-                reserved.append(ReservedBlock(key[1], hashes[index - 1] if index else parent_hash, slot))
+            slots = yield from self._mover.allocate_steps(kind, nbytes, len(new_indices))
         finally:
             for entry in guarded:
                 residency.unhold(entry)
-        if not reserved and num_cached < len(keys):
+            for index in new_indices[len(slots) :]:
+                del pending[keys[index]]
+        if not slots and new_indices:
             raise CapacityExhausted(
                 f"the {kind.value} tier has no room for a {nbytes}-byte block: every resident block is leased or pinned."
             )
-        reservation = Reservation(next(self._ids), namespace, kind, nbytes, tuple(reserved), num_cached, self._clock() + self._ttl_s)
-        self._open[reservation.id] = reservation
-        for block in reserved:
-            pending[(namespace, block.block_hash)] = reservation.id
+        reserved = tuple(
+            ReservedBlock(hashes[index], hashes[index - 1] if index else parent_hash, slot) for index, slot in zip(new_indices, slots)
+        )
+        reservation = Reservation(reservation_id, namespace, kind, nbytes, reserved, num_cached, self._clock() + self._ttl_s)
+        self._open[reservation_id] = reservation
         self._counters["reservations"] += 1
         return reservation
 
-    def commit(self, reservation_id: int, num_written: int | None) -> int:
-        """Make the first ``num_written`` (None: all) reserved blocks visible; release the rest."""
-        reservation = self._take(reservation_id)
+    def commit(self, reservation_id: int, num_written: int | None, checksums: Sequence[int | None] | None) -> int:
+        """Make the first ``num_written`` (None: all) reserved blocks visible, each with the
+        checksum its writer took; release the rest. A malformed call changes nothing.
+        ``checksums`` None: the writer is in this process and done, so they are taken from
+        the slots now (the daemon's engines always send their own)."""
+        reservation = self.get(reservation_id)
         count = len(reservation.blocks) if num_written is None else num_written
-        if not 0 <= count <= len(reservation.blocks):
-            self._release_slots(reservation, reservation.blocks)
-            raise InvalidArgument(f"num_written must lie in [0, {len(reservation.blocks)}], got {num_written}.")
+        if type(count) is not int or not 0 <= count <= len(reservation.blocks):
+            raise InvalidArgument(f"num_written must be an integer in [0, {len(reservation.blocks)}], got {num_written!r}.")
+        if checksums is not None and len(checksums) != count:
+            raise InvalidArgument(f"{len(checksums)} checksums were given for {count} blocks written.")
+        if checksums is None:
+            checksums = self._checksums_of(reservation, count)
+        del self._open[reservation_id]
         now = self._clock()
         namespace, kind = reservation.namespace, reservation.tier
         segment: list[BlockHash] = []
         segment_parent: BlockHash | None = None
         entries: list[BlockEntry] = []
-        for block in reservation.blocks[:count]:
+        for index, block in enumerate(reservation.blocks[:count]):
             key = (namespace, block.block_hash)
             del self._pending[key]
             parent_key = None if block.parent_hash is None else (namespace, block.parent_hash)
-            entries.append(BlockEntry(key, parent_key, kind, block.slot, reservation.nbytes, now))
+            entries.append(BlockEntry(key, parent_key, kind, block.slot, reservation.nbytes, now, checksums[index]))
             # one event per run of blocks that continue each other, as vLLM reports them
             if not segment or block.parent_hash != segment[-1]:
                 if segment:
@@ -131,41 +159,57 @@ class Reservations:
         return count
 
     def abort(self, reservation_id: int) -> None:
-        reservation = self._take(reservation_id)
+        """The writer lets go: its slots are free again (an expired reservation's too)."""
+        reservation = self._open.pop(reservation_id, None) or self._expired.pop(reservation_id, None)
+        if reservation is None:
+            raise NotFound(f"reservation {reservation_id} does not exist; it was committed, aborted or never made.")
         self._release_slots(reservation, reservation.blocks)
 
+    def release_expired(self, reservation_id: int) -> bool:
+        """Free the quarantined slots of an expired reservation whose writer is gone."""
+        reservation = self._expired.pop(reservation_id, None)
+        if reservation is None:
+            return False
+        self._release_slots(reservation, reservation.blocks)
+        return True
+
     def expire(self) -> int:
-        """Reclaim reservations whose writer never committed; returns how many."""
+        """Stop keeping the keys of reservations past their deadline pending (another writer
+        may store them now); their slots stay quarantined for their writer. Returns how many
+        expired."""
         now = self._clock()
         expired = [r for r in self._open.values() if r.deadline <= now]
         for reservation in expired:
             del self._open[reservation.id]
-            self._release_slots(reservation, reservation.blocks)
-            self._expired[reservation.id] = None
-            if len(self._expired) > _MAX_EXPIRED_IDS:
-                self._expired.popitem(last=False)
+            self._expired[reservation.id] = reservation
+            for block in reservation.blocks:
+                self._pending.pop((reservation.namespace, block.block_hash), None)
         self._counters["reservations_expired"] += len(expired)
         return len(expired)
 
     def get(self, reservation_id: int) -> Reservation:
-        """An open reservation (NotFound / ReservationExpired otherwise)."""
+        """An open reservation (NotFound / ReservationExpired otherwise). Asking about an
+        expired one is its writer's late call: its slots are freed, since the writer is
+        evidently done with them."""
         reservation = self._open.get(reservation_id)
-        if reservation is None:
-            self._take(reservation_id)  # raises the precise error
-        return reservation
-
-    def _take(self, reservation_id: int) -> Reservation:
-        reservation = self._open.pop(reservation_id, None)
         if reservation is not None:
             return reservation
-        if reservation_id in self._expired:
+        if self.release_expired(reservation_id):
             raise ReservationExpired(
-                f"reservation {reservation_id} expired after {self._ttl_s}s and its slots were reclaimed; save the blocks again."
+                f"reservation {reservation_id} expired after {self._ttl_s:g}s; other writers may have stored its blocks "
+                "since. Nothing was stored; save the blocks again."
             )
         raise NotFound(f"reservation {reservation_id} does not exist; it was committed, aborted or never made.")
 
-    def _release_slots(self, reservation: Reservation, blocks: Iterable[ReservedBlock]) -> None:
+    def _checksums_of(self, reservation: Reservation, count: int) -> list[int | None]:
         tier = self._stack[reservation.tier]
+        if not isinstance(tier, MemoryTier):
+            return [None] * count  # no bytes kept (the simulator's tiers)
+        return [block_checksum(tier.view(block.slot, reservation.nbytes)) for block in reservation.blocks[:count]]
+
+    def _release_slots(self, reservation: Reservation, blocks: Iterable[ReservedBlock]) -> None:
         for block in blocks:
-            self._pending.pop((reservation.namespace, block.block_hash), None)
-            tier.free(block.slot)
+            key = (reservation.namespace, block.block_hash)
+            if self._pending.get(key) == reservation.id:
+                del self._pending[key]
+            self._stack.free_quietly(reservation.tier, block.slot)

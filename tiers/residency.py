@@ -8,6 +8,10 @@ block from being picked while it works on it (a read lease, a move, the chain a
 reservation extends); ``unhold`` drops the block instead of returning it to its policy
 when its tier failed meanwhile, so a failed tier's blocks all go once nobody holds them.
 
+A block dropped while held (it failed verification, its tier failed) leaves the
+catalogue at once, so nobody new finds it, but its slot is freed only when its last
+holder lets go: a reader may still be copying out of it.
+
 Owner: the tier manager's thread (see tiers/manager.py); not thread-safe.
 """
 
@@ -32,6 +36,7 @@ class Residency:
         self._events = events
         self._counters = counters
         self.catalogue = Catalogue(self._reclassify)
+        self._doomed: set[BlockEntry] = set()
 
     def add(self, entries: Sequence[BlockEntry]) -> None:
         """Cache new blocks. They join their policies once all of them are linked: each
@@ -53,20 +58,38 @@ class Residency:
 
     def unhold(self, entry: BlockEntry) -> None:
         entry.num_leases -= 1
-        if not entry.evictable or not self.is_cached(entry):
+        if entry.num_leases:
+            return
+        if not self.is_cached(entry):
+            if entry in self._doomed:  # dropped while held: its slot goes with the last holder
+                self._doomed.remove(entry)
+                self._stack.free_quietly(entry.tier, entry.slot)
+            return
+        if entry.pinned:
             return
         if entry.tier in self._stack.failed:
             self.drop(entry, RemovalReason.TIER_FAILED)
         else:
             self._policies[entry.tier].insert(entry)
 
-    def drop(self, entry: BlockEntry, reason: RemovalReason) -> None:
+    def drop(self, entry: BlockEntry, reason: RemovalReason, free_slot: bool = True) -> None:
+        """Remove a cached block; its slot is freed now, or by its last holder's ``unhold``
+        (never, with ``free_slot`` False: a slot that could not be read back is retired)."""
         if entry.evictable:
             self._policies[entry.tier].remove(entry)
         self.catalogue.remove(entry)
-        self._stack.free_quietly(entry.tier, entry.slot)
+        if free_slot:
+            if entry.num_leases:
+                self._doomed.add(entry)
+            else:
+                self._stack.free_quietly(entry.tier, entry.slot)
         self._events.append(BlockRemoved(entry.key[0], (entry.key[1],), entry.tier, reason))
         self._counters[f"evicted_{reason.value}"] += 1
+
+    @property
+    def num_doomed(self) -> int:
+        """Blocks dropped while held whose slots wait for their holders."""
+        return len(self._doomed)
 
     def set_moving(self, entry: BlockEntry, moving: bool) -> None:
         """A block on its way out of its tier stops counting as a child there, so its

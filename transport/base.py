@@ -90,6 +90,18 @@ class Channel(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None: ...
 
+    @property
+    def touching_buffers(self) -> bool:
+        """Whether a send or receive this channel started may still read or fill a buffer."""
+        return False
+
+    async def settled(self) -> None:  # noqa: B027 (most channels have nothing to wait for)
+        """Return once no send or receive this channel started can still read or fill a
+        buffer. Whoever frees buffers a channel used after a broken-off conversation waits
+        for this first; it returns at once where every operation ends before its call
+        returns (TCP, memory), and waits without bound where one may outlive its caller
+        (UCX after a cancel): a slot is never freed on a timer."""
+
 
 ChannelHandler = Callable[[Channel], Awaitable[None]]
 

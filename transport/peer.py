@@ -89,15 +89,17 @@ async def send_blocks(
     channel: Channel,
     transfer_id: int,
     namespace: bytes,
-    blocks: Sequence[tuple[int, bytes, Buffer]],
+    blocks: Sequence[tuple[int, bytes, Buffer, int | None]],
     first_layer: int = 0,
     num_layers: int = 0,
 ) -> None:
-    """Stream ``(sequence, key, payload)`` blocks; the transport keeps its window of frames
-    in flight, computing each checksum when the window has room for it."""
+    """Stream ``(sequence, key, payload, checksum)`` blocks; the transport keeps its window
+    of frames in flight. A block sent with the checksum its writer committed is checked by
+    the receiver against those bytes; one with None is checksummed when the window has
+    room for it."""
     await channel.send_many(
-        (block_header(transfer_id, namespace, key, payload, sequence, first_layer, num_layers), payload)
-        for sequence, key, payload in blocks
+        (block_header(transfer_id, namespace, key, payload, sequence, first_layer, num_layers, checksum), payload)
+        for sequence, key, payload, checksum in blocks
     )
 
 

@@ -284,7 +284,20 @@ class _UcxChannel(FramedChannel):
             return
         _, stuck = await asyncio.wait(in_flight, timeout=QUIESCE_S)
         if stuck:
-            logger.error("%d UCX requests to %s did not end %gs after the endpoint was aborted", len(stuck), self.peer, QUIESCE_S)
+            logger.error(
+                "%d UCX requests to %s did not end %gs after the endpoint was aborted; their buffers stay held until they do",
+                len(stuck),
+                self.peer,
+                QUIESCE_S,
+            )
+
+    @property
+    def touching_buffers(self) -> bool:
+        return bool(self._poster.in_flight())
+
+    async def settled(self) -> None:
+        while in_flight := self._poster.in_flight():
+            await asyncio.wait(in_flight)
 
     # -- plumbing --------------------------------------------------------------------
     def _abandon(self, reason: str) -> None:

@@ -129,10 +129,12 @@ def block_header(
     sequence: int,
     first_layer: int = 0,
     num_layers: int = 0,
+    checksum: int | None = None,
 ) -> FrameHeader:
-    return FrameHeader(
-        FrameKind.BLOCK, transfer_id, namespace, key, len(payload), first_layer, num_layers, sequence, payload_checksum(payload)
-    )
+    """A BLOCK frame's header. ``checksum``: the XXH3-64 the block's writer committed, sent
+    as is, so that bytes changed since are refused by the receiver; None: taken now."""
+    checksum = payload_checksum(payload) if checksum is None else checksum
+    return FrameHeader(FrameKind.BLOCK, transfer_id, namespace, key, len(payload), first_layer, num_layers, sequence, checksum)
 
 
 def encode_control(message: dict[str, Any]) -> bytes:

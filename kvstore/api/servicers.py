@@ -38,6 +38,7 @@ from kvstore.errors import (
 from kvstore.hashing import BlockHash
 from kvstore.node import Node
 from kvstore.router import Router
+from kvstore.steps import run_steps
 from kvstore.transfers.service import TransferService
 
 __all__ = ["StoreServicer", "IndexServicer", "AdminServicer", "status_for"]
@@ -137,13 +138,13 @@ class StoreServicer(_NodeServicer, pb_grpc.StoreServicer):
         hashes = convert.block_hashes(request.block_hashes, limits)
         parent = convert.parent_hash(request)
         payloads = convert.payloads(request.payloads, limits, len(hashes))
-        return pb.PutResponse(num_stored=self.node.put_inline(digest, hashes, payloads, parent))
+        return pb.PutResponse(num_stored=await run_steps(self.node.put_inline(digest, hashes, payloads, parent)))
 
     @_served
     async def Get(self, request: pb.GetRequest, context) -> pb.GetResponse:
         digest = convert.namespace_id(request.namespace_id)
         hashes = convert.block_hashes(request.block_hashes, self.node.limits)
-        return pb.GetResponse(payloads=self.node.get_inline(digest, hashes))
+        return pb.GetResponse(payloads=await run_steps(self.node.get_inline(digest, hashes)))
 
 
 class IndexServicer(_NodeServicer, pb_grpc.IndexServicer):

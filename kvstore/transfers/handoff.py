@@ -31,6 +31,7 @@ from kvstore.errors import CorruptBlock, TransferFailed
 from kvstore.hashing import BlockHash
 from kvstore.layout import KVLayout
 from kvstore.tiers.slab import Slot
+from kvstore.transport.base import Channel
 from kvstore.transport.peer import buffer_of
 from kvstore.transport.wire import FrameHeader
 
@@ -68,6 +69,8 @@ class _Handoff:
         self.state = HandoffState.OPEN
         self.error = ""
         self.changed = asyncio.Event()  # set (and replaced) on every progress or state change
+        # the channel its layers travel on while it may still touch the staging slots
+        self.channel: Channel | None = None
 
     @property
     def num_layers(self) -> int:
@@ -112,9 +115,11 @@ class OutgoingHandoff(_Handoff):
         self.layers_ready += num_layers
         self.pending.put_nowait((first_layer, num_layers))
 
-    def layer_payloads(self, first_layer: int, num_layers: int) -> list[tuple[int, bytes, memoryview]]:
+    def layer_payloads(self, first_layer: int, num_layers: int) -> list[tuple[int, bytes, memoryview, None]]:
+        """The layer range of every block, to send; checksummed as they go out (the engine
+        wrote them just now)."""
         offset, length = self.layout.layers_slice(first_layer, first_layer + num_layers)
-        return [(seq, h, buffer_of(view[offset : offset + length])) for seq, (h, view) in enumerate(zip(self.hashes, self.views))]
+        return [(seq, h, buffer_of(view[offset : offset + length]), None) for seq, (h, view) in enumerate(zip(self.hashes, self.views))]
 
     def complete(self, num_stored: int) -> None:
         self.state = HandoffState.COMPLETE
@@ -131,8 +136,8 @@ class IncomingHandoff(_Handoff):
         self.ready_layers = 0  # min over blocks: what a reader may use
         self.attached = False  # a consumer engine holds the staging views
         self.reader_done = False  # a consumer attached and let go: nobody will read them again
+        self.storing = False  # every layer arrived and the blocks are being copied into the tiers
         self.num_stored = 0  # blocks stored in this node's tiers once every layer arrived
-        self.stored = False
 
     def destination_for(self, header: FrameHeader) -> memoryview:
         """Where a BLOCK frame's payload goes; CorruptBlock if it does not fit this handoff."""
@@ -148,19 +153,23 @@ class IncomingHandoff(_Handoff):
         return buffer_of(self.views[seq][offset : offset + length])
 
     def arrived(self, header: FrameHeader) -> None:
+        """A frame's layers arrived verified. The last layer is announced by ``complete``,
+        once the blocks are stored, so that no reader lets go of the staging before then."""
         self.next_layer[header.sequence] = header.first_layer + header.num_layers
         ready = min(self.next_layer)
-        if ready != self.ready_layers:
+        if ready != self.ready_layers and ready < self.num_layers:
             self.ready_layers = ready
             self._notify()
 
     @property
     def all_arrived(self) -> bool:
-        return self.ready_layers == self.num_layers
+        return min(self.next_layer) == self.num_layers
 
     def complete(self) -> None:
-        self.state = HandoffState.COMPLETE
-        self._notify()
+        if self.state is HandoffState.OPEN:
+            self.state = HandoffState.COMPLETE
+            self.ready_layers = self.num_layers
+            self._notify()
 
     async def wait_layers(self, stop_layer: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

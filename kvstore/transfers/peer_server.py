@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING
 from kvstore.chains import describable, shared_prefixes
 from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, TransferFailed
 from kvstore.localproto import namespace_from_wire, namespace_to_wire, pack_hashes, unpack_hashes
+from kvstore.steps import run_steps
 from kvstore.tier_kind import TierKind
 from kvstore.transfers.handoff import IncomingHandoff
 from kvstore.transport.base import Channel
-from kvstore.transport.peer import Landing, buffer_of, leading, send_blocks, send_control, send_error
+from kvstore.transport.peer import Landing, buffer_of, send_blocks, send_control, send_error
 from kvstore.transport.wire import FrameHeader, FrameKind, decode_control
 
 if TYPE_CHECKING:
@@ -78,15 +79,18 @@ class PeerServer:
     # -- conversations ------------------------------------------------------------------------
     async def _fetch(self, channel: Channel, transfer_id: int, message: dict) -> None:
         digest = message["namespace"]
-        lease = self.manager.acquire(digest, unpack_hashes(message["hashes"]), TierKind.HOST)
+        lease = await run_steps(self.manager.acquire_steps(digest, unpack_hashes(message["hashes"]), TierKind.HOST))
+        done = False
         try:
             views = self.manager.lease_views(lease)
             await send_control(channel, transfer_id, {"count": len(views), "nbytes": lease.nbytes})
-            blocks = [(seq, b.block_hash, buffer_of(v)) for seq, (b, v) in enumerate(zip(lease.blocks, views))]
+            # each block leaves with the checksum its writer committed: bytes changed since are refused at the other end
+            blocks = [(seq, b.block_hash, buffer_of(v), b.checksum) for seq, (b, v) in enumerate(zip(lease.blocks, views))]
             await send_blocks(channel, transfer_id, digest, blocks)
             await send_control(channel, transfer_id, {}, FrameKind.END)
+            done = True
         finally:
-            self.manager.release(lease.id)
+            self.service.settling.release_after(None if done else channel, lambda: self.manager.release(lease.id))
         self.node.metrics.transferred("out", "fetch", len(views), len(views) * lease.nbytes)
 
     async def _store(self, channel: Channel, transfer_id: int, message: dict) -> None:
@@ -94,7 +98,7 @@ class PeerServer:
         digest = self.node.register_namespace(namespace)
         hashes = unpack_hashes(message["hashes"])
         try:
-            reservation = self.manager.reserve(digest, hashes, message["parent"])
+            reservation = await run_steps(self.manager.reserve_steps(digest, hashes, message["parent"]))
         except KVStoreError as exc:  # no room at all: accept nothing rather than fail the peer
             logger.info("store from %s accepted nothing: %s", channel.peer, exc)
             await send_control(channel, transfer_id, {"accepted": []})
@@ -104,15 +108,16 @@ class PeerServer:
         position = {h: i for i, h in enumerate(hashes)}
         accepted = [position[b.block_hash] for b in reservation.blocks]
         slot_of = dict(zip(accepted, self.manager.reservation_slots(reservation)))
-        verified: set[int] = set()
+        verified: dict[int, int] = {}
         try:
             await send_control(channel, transfer_id, {"accepted": accepted})
             await self.service.receive_blocks(channel, slot_of, hashes, len(accepted), verified)
             await self.service.expect_end(channel)
         except BaseException:
-            self.manager.abort(reservation.id)
+            await channel.close()
+            self.service.settling.release_after(channel, lambda: self.manager.abort(reservation.id))
             raise
-        stored = self.manager.commit(reservation.id, leading(accepted, verified))
+        stored = self.service.commit_received(None, reservation, accepted, verified)
         self.node.metrics.transferred("in", "store", stored, stored * reservation.nbytes)
         await send_control(channel, transfer_id, {"stored": stored}, FrameKind.END)
 
@@ -120,14 +125,18 @@ class PeerServer:
         namespace = namespace_from_wire(message["namespace"])
         digest = self.node.register_namespace(namespace)
         hashes = unpack_hashes(message["hashes"])
-        handoff = self.service.handoffs.open_incoming(message["transfer"], transfer_id, digest, hashes, message["parent"], namespace.layout)
+        handoffs = self.service.handoffs
+        handoff = await handoffs.open_incoming(message["transfer"], transfer_id, digest, hashes, message["parent"], namespace.layout)
+        handoff.channel = channel
         try:
             await send_control(channel, transfer_id, {"accepted": len(hashes)})
             await self._receive_layers(channel, handoff)
+            await handoffs.store_incoming(handoff)  # before the reply, and before any reader hears the last layer
         except BaseException as exc:
-            handoff.fail(f"the producer's stream broke off: {exc}")
-            self.service.handoffs.settle(handoff)
+            await channel.close()
+            handoffs.fail_incoming(handoff, f"the producer's stream broke off: {exc}")
             raise
+        handoff.channel = None
         await send_control(channel, transfer_id, {"stored": handoff.num_stored}, FrameKind.END)
 
     async def _receive_layers(self, channel: Channel, handoff: IncomingHandoff) -> None:
@@ -137,8 +146,6 @@ class PeerServer:
                 raise CorruptBlock(f"handoff {handoff.transfer_id!r}: a block of layers {header.first_layer}… failed its checksum.")
             handoff.arrived(header)
             self.node.metrics.transferred("in", "handoff", 0, header.length)
-            if handoff.all_arrived:  # stored before any reader hears that the last layer is in
-                self.service.handoffs.store_incoming(handoff)
 
         landing = Landing(channel, self.service.config.window_blocks, landed)
         while True:

@@ -10,7 +10,13 @@
 Peers find each other through the block-location index: every node registers its
 transport address there, and a destination may be named by node id or by address.
 
-Owner: the daemon's event loop; the tier manager is only touched from it.
+Integrity: a block leaves with the checksum its writer committed (the receiver refuses
+bytes that changed since) and arrives verified against it, which is the checksum it is
+committed with here. Slots a broken-off transfer may still touch (a UCX receive posted
+past a deadline) are freed only once its channel settles (kvstore/transfers/settling.py).
+
+Owner: the daemon's event loop; the tier manager is only touched from it, and every wait
+for NVMe I/O is awaited (kvstore/steps.py).
 """
 
 from __future__ import annotations
@@ -28,10 +34,13 @@ from kvstore.hashing import BlockHash
 from kvstore.index.base import Index
 from kvstore.localproto import namespace_from_wire, namespace_to_wire, pack_hashes, unpack_hashes
 from kvstore.namespace import Namespace
+from kvstore.steps import run_steps
 from kvstore.tier_kind import TierKind
+from kvstore.tiers.records import Reservation
 from kvstore.transfers.handoff import HandoffState, IncomingHandoff, OutgoingHandoff
 from kvstore.transfers.handoffs import HandoffRegistry
 from kvstore.transfers.peer_server import PeerServer
+from kvstore.transfers.settling import Settling
 from kvstore.transport.base import Channel, Transport
 from kvstore.transport.config import TransportConfig
 from kvstore.transport.peer import ChannelPool, Landing, buffer_of, leading, recv_message, request, send_blocks, send_control
@@ -50,7 +59,8 @@ class TransferService:
         self.config = config
         self.index = index
         self.pool = ChannelPool(transport, config.connect_timeout_s)
-        self.handoffs = HandoffRegistry(node.manager, config.handoff_timeout_s)
+        self.settling = Settling()
+        self.handoffs = HandoffRegistry(node.manager, config.handoff_timeout_s, self.settling)
         self.server = PeerServer(self)
         self.address = ""
         self._transfer_ids = iter(range(1, 1 << 62))
@@ -66,6 +76,7 @@ class TransferService:
         await self.transport.close()
         for task in list(self._serving):
             task.cancel()
+        self.settling.close()
 
     async def _on_channel(self, channel: Channel) -> None:
         task = asyncio.current_task()
@@ -77,17 +88,17 @@ class TransferService:
 
     # -- shared by both directions ------------------------------------------------------------
     async def receive_blocks(
-        self, channel: Channel, slots: dict[int, torch.Tensor], hashes: Sequence[BlockHash], count: int, verified: set[int]
+        self, channel: Channel, slots: dict[int, torch.Tensor], hashes: Sequence[BlockHash], count: int, verified: dict[int, int]
     ) -> None:
-        """Receive ``count`` BLOCK frames, each into ``slots[seq]``, adding the sequence of
-        each block that arrives verified to ``verified`` (the caller's, so that it knows
+        """Receive ``count`` BLOCK frames, each into ``slots[seq]``, recording the checksum
+        of each block that arrives verified in ``verified`` (the caller's, so that it knows
         what arrived even when a deadline cancels this). A block whose bytes fail their
         checksum is dropped and the stream stays in step; a frame that does not belong to
         this transfer breaks it off."""
 
         def landed(header: FrameHeader, ok: bool) -> None:
             if ok:
-                verified.add(header.sequence)
+                verified[header.sequence] = header.checksum
             else:
                 self.node.metrics.dropped("checksum")
 
@@ -107,6 +118,26 @@ class TransferService:
                 continue
             await landing.start(header, into)
         await landing.finish()
+
+    def commit_received(self, channel: Channel | None, reservation: Reservation, order: Sequence[int], verified: dict[int, int]) -> int:
+        """Commit the leading blocks of ``order`` that arrived verified, with the checksums
+        they arrived with; the reservation's other slots are freed once ``channel`` can no
+        longer land bytes in them (the verified ones are done). Returns how many were stored
+        now: 0 when the commit has to wait for the channel."""
+        count = leading(order, verified)
+        checksums = [verified[seq] for seq in order[:count]]
+
+        def commit() -> int:
+            try:
+                return self.manager.commit(reservation.id, count, checksums)
+            except KVStoreError as exc:  # expired while it waited: nothing is stored, its slots are free
+                logger.info("blocks received from a peer were not stored: %s", exc)
+                return 0
+
+        if channel is None or not channel.touching_buffers:
+            return commit()
+        self.settling.release_after(channel, commit)
+        return 0
 
     async def expect_end(self, channel: Channel) -> dict:
         return await recv_message(channel, FrameKind.END)
@@ -168,15 +199,16 @@ class TransferService:
     ) -> int:
         """Fetch a chain segment from ``address`` into reserved local slots; returns how
         many blocks were stored (the verified prefix that arrived before the deadline)."""
-        reservation = self.manager.reserve(digest, hashes, parent)
+        reservation = await run_steps(self.manager.reserve_steps(digest, hashes, parent))
         if not reservation.blocks:
             self.manager.abort(reservation.id)
             return 0
         wanted = [b.block_hash for b in reservation.blocks]
         slots = dict(enumerate(self.manager.reservation_slots(reservation)))
         transfer_id = self.next_transfer_id()
-        verified: set[int] = set()
+        verified: dict[int, int] = {}
         channel = None
+        broken = False
         try:
             async with asyncio.timeout(deadline_s):  # one deadline for connecting and receiving
                 channel = await self.pool.checkout(address)
@@ -191,14 +223,16 @@ class TransferService:
             logger.info(
                 "remote fetch from %s: %d of %d blocks arrived before the %.3fs deadline", address, len(verified), len(wanted), deadline_s
             )
-            if channel is not None:
-                await self.pool.discard(channel)
+            broken = True
         except BaseException:
+            broken = True
             if channel is not None:
                 await self.pool.discard(channel)
-            self.manager.abort(reservation.id)
+            self.settling.release_after(channel, lambda: self.manager.abort(reservation.id))
             raise
-        stored = self.manager.commit(reservation.id, leading(range(len(wanted)), verified))
+        if broken and channel is not None:
+            await self.pool.discard(channel)
+        stored = self.commit_received(channel if broken else None, reservation, range(len(wanted)), verified)
         self.node.metrics.transferred("in", "fetch", stored, stored * reservation.nbytes)
         return stored
 
@@ -206,24 +240,29 @@ class TransferService:
     async def push_chain(self, address: str, namespace: Namespace, hashes: Sequence[BlockHash], parent: BlockHash | None) -> int:
         """Copy cached blocks of a chain into the peer's tiers; returns how many it stored."""
         digest = namespace.digest
-        lease = self.manager.acquire(digest, hashes, TierKind.HOST)
+        lease = await run_steps(self.manager.acquire_steps(digest, hashes, TierKind.HOST))
+        channel = None
         try:
             leased = [b.block_hash for b in lease.blocks]
             if not leased:
                 return 0
             views = self.manager.lease_views(lease)
             transfer_id = self.next_transfer_id()
-            async with self.pool.channel(address) as channel:
-                message = {"op": "store", "namespace": namespace_to_wire(namespace), "hashes": pack_hashes(leased), "parent": parent}
-                accepted = (await request(channel, transfer_id, message))["accepted"]
-                if any(not isinstance(seq, int) or not 0 <= seq < len(leased) for seq in accepted):
-                    raise CorruptBlock(f"the peer {address} accepted blocks it was not offered.")
-                blocks = [(seq, leased[seq], buffer_of(views[seq])) for seq in accepted]
-                await send_blocks(channel, transfer_id, digest, blocks)
-                await send_control(channel, transfer_id, {}, FrameKind.END)
-                stored = int((await self.expect_end(channel))["stored"])
+            channel = await self.pool.checkout(address)
+            message = {"op": "store", "namespace": namespace_to_wire(namespace), "hashes": pack_hashes(leased), "parent": parent}
+            accepted = (await request(channel, transfer_id, message))["accepted"]
+            if any(not isinstance(seq, int) or not 0 <= seq < len(leased) for seq in accepted):
+                raise CorruptBlock(f"the peer {address} accepted blocks it was not offered.")
+            blocks = [(seq, leased[seq], buffer_of(views[seq]), lease.blocks[seq].checksum) for seq in accepted]
+            await send_blocks(channel, transfer_id, digest, blocks)
+            await send_control(channel, transfer_id, {}, FrameKind.END)
+            stored = int((await self.expect_end(channel))["stored"])
+            self.pool.checkin(address, channel)
+            channel = None
         finally:
-            self.manager.release(lease.id)
+            if channel is not None:
+                await self.pool.discard(channel)
+            self.settling.release_after(channel, lambda: self.manager.release(lease.id))
         self.node.metrics.transferred("out", "store", len(accepted), len(accepted) * lease.nbytes)
         return stored
 
@@ -242,7 +281,7 @@ class TransferService:
     ) -> OutgoingHandoff:
         namespace = self.node.namespace(digest)
         address = await self.resolve(destination)
-        handoff = self.handoffs.open_outgoing(session, transfer_id, digest, hashes, parent, namespace.layout, address)
+        handoff = await self.handoffs.open_outgoing(session, transfer_id, digest, hashes, parent, namespace.layout, address)
         channel = None
         try:
             channel = await self.pool.checkout(address)
@@ -262,6 +301,7 @@ class TransferService:
             if isinstance(exc, asyncio.TimeoutError):
                 raise TransferFailed(f"the peer {address} did not answer handoff {transfer_id!r} in time.") from exc
             raise
+        handoff.channel = channel
         handoff.task = asyncio.get_running_loop().create_task(self._send_layers(handoff, channel))
         return handoff
 
@@ -272,12 +312,13 @@ class TransferService:
                 payloads = handoff.layer_payloads(first, count)
                 await send_blocks(channel, handoff.wire_id, handoff.digest, payloads, first, count)
                 handoff.layers_sent += count
-                self.node.metrics.transferred("out", "handoff", 0, sum(len(p) for _, _, p in payloads))
+                self.node.metrics.transferred("out", "handoff", 0, sum(len(p) for _, _, p, _ in payloads))
             await send_control(channel, handoff.wire_id, {}, FrameKind.END)
             reply = await self.expect_end(channel)
             handoff.complete(int(reply["stored"]))
             self.node.metrics.transferred("out", "handoff", len(handoff.hashes), 0)
             self.pool.checkin(handoff.destination, channel)
+            handoff.channel = None
         except asyncio.CancelledError:
             await self.pool.discard(channel)  # the consumer sees the stream end and fails its side
             raise
@@ -305,7 +346,7 @@ class TransferService:
                     await asyncio.wait_for(handoff.changed.wait(), remaining)
             handoff.raise_if_failed()
             with contextlib.suppress(KVStoreError):  # caching it here too is a bonus, not the handoff
-                self.manager.put(handoff.digest, handoff.hashes, handoff.views, handoff.parent)
+                await run_steps(self.manager.put_steps(handoff.digest, handoff.hashes, handoff.views, handoff.parent))
             return handoff.num_stored_remote
         finally:
             self.handoffs.close_outgoing(handoff)
@@ -329,6 +370,10 @@ class TransferService:
         self.handoffs.detach(session, transfer_id)
 
     # -- lifetime ------------------------------------------------------------------------------
+    def holds(self, session: int) -> bool:
+        """Whether ``session`` owns or reads a handoff (whose staging it may still touch)."""
+        return self.handoffs.holds(session)
+
     def close_session(self, session: int) -> None:
         self.handoffs.close_session(session)
 

@@ -89,7 +89,7 @@ def summarize(run: ChaosRun, self_test: dict, audit: dict, engines: dict, events
     for daemon, final in audit["final"].items():
         for wrong in final["wrong_blocks"]:
             found = wrong_found.setdefault(wrong["block"], {"block": wrong["block"], "bytes_are": names.name(wrong["digest"]), "served": 0})
-            found["in_final_check_of"] = daemon
+            found.setdefault("in_final_check_of", []).append(daemon)
     distinct = list(wrong_found.values())
     final_wrong = sum(f["wrong_bytes"] for f in audit["final"].values())
     crashes = [f for f in run.findings if f["kind"] in CRASH_FINDINGS]
@@ -126,7 +126,10 @@ def summarize(run: ChaosRun, self_test: dict, audit: dict, engines: dict, events
         "wrong_bytes_sources": dict(collections.Counter(_category(found["bytes_are"]) for found in distinct)),
         "wrong_found": distinct[:50],
         "lost_blocks": sum(p["missing"] for p in audit["persisted"].values())
-        + sum(f["unreadable_unexplained"] for f in audit["final"].values()),
+        + sum(f["unreadable_unexplained"] for f in audit["final"].values())
+        + sum(r["missing"] for r in run.clean_restarts),
+        "lost_blocks_at_clean_restarts_during_run": sum(r["missing"] for r in run.clean_restarts),
+        "clean_restarts_during_run": run.clean_restarts,
         "leaked_slots": sum(leak["leaked_slots"] for leak in audit["leaks"].values()),
         "phantom_blocks": sum(leak["phantom_blocks"] for leak in audit["leaks"].values()),
         "leftover_owners": sum(leak["leftover_owners"] for leak in audit["leaks"].values()),
@@ -165,11 +168,14 @@ def print_result(report: Report, result: dict) -> None:
         ["daemon", "what", "a", "b", "c", "d", "e"],
         rows,
     )
+    restarts = result["clean_restarts_during_run"]
     report.print_table(
-        "integrity",
-        ["wrong bytes (run)", "wrong bytes (final)", "wrong blocks", "lost blocks", "leaked slots", "phantom", "owners left", "crashes"],
+        f"integrity (lost blocks include {len(restarts)} clean restarts during the run)",
+        ["wrong bytes (run)", "wrong bytes (final)", "wrong blocks", "lost blocks", "lost at run restarts", "leaked slots", "phantom",
+         "owners left", "crashes"],
         [[result["wrong_bytes_during_run"], result["wrong_bytes_final_check"], result["wrong_distinct_blocks"], result["lost_blocks"],
-          result["leaked_slots"], result["phantom_blocks"], result["leftover_owners"], result["crashes"]]],
+          result["lost_blocks_at_clean_restarts_during_run"], result["leaked_slots"], result["phantom_blocks"], result["leftover_owners"],
+          result["crashes"]]],
     )  # fmt: skip
     if result["wrong_bytes_sources"]:
         report.print_table("what the wrong blocks held", ["bytes", "blocks"], sorted(result["wrong_bytes_sources"].items()))

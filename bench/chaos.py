@@ -113,7 +113,7 @@ class ChaosRun:
         self.sequence = 0
         self.daemon_state: dict[str, str] = {}
         self.stopping_since: dict[str, float] = {}
-        self.listed_before_term: dict[str, set[bytes]] = {}  # daemon -> blocks it held when sent SIGTERM
+        self.listed_before_term: dict[str, dict[bytes, int]] = {}  # daemon -> its blocks (and their leases) at SIGTERM
         self.clean_restarts: list[dict] = []  # what each clean restart kept
         self.engine_busy_until: dict[int, float] = {}
         self.engines_down: set[int] = set()  # killed by the driver, restart pending
@@ -283,7 +283,7 @@ class ChaosRun:
                 self.daemon_state[daemon.name] = "starting"
             elif kind == "daemon_term":
                 try:
-                    self.listed_before_term[daemon.name] = {bytes(b.block_hash) for b in list_blocks(daemon.grpc_address)}
+                    self.listed_before_term[daemon.name] = {bytes(b.block_hash): b.leases for b in list_blocks(daemon.grpc_address)}
                 except KVStoreError:
                     pass  # not listed: this restart is not checked
                 daemon.signal(signal.SIGTERM)
@@ -312,16 +312,26 @@ class ChaosRun:
         self.log_fault(kind, **details)
         return True
 
-    def check_clean_restart(self, daemon: ChaosDaemon, before: set[bytes]) -> None:
+    def check_clean_restart(self, daemon: ChaosDaemon, before: dict[bytes, int]) -> None:
         """Blocks held at SIGTERM that the restarted daemon no longer lists are lost (nothing
         drops blocks meanwhile: the NVMe tier is never full, the operator's evictions wait
-        for the daemon to be up, and blocks the driver corrupted are left out)."""
+        for the daemon to be up, and blocks the driver corrupted are left out). Whether the
+        lost blocks were under a read lease at SIGTERM is recorded beside."""
         try:
             after = {bytes(b.block_hash) for b in list_blocks(daemon.grpc_address)}
         except KVStoreError:
             return
-        missing = {h for h in before - after if h.hex() not in self.corrupted[daemon.name]}
-        self.clean_restarts.append({"daemon": daemon.name, "before": len(before), "after": len(after), "missing": len(missing)})
+        missing = {h for h in before.keys() - after if h.hex() not in self.corrupted[daemon.name]}
+        self.clean_restarts.append(
+            {
+                "daemon": daemon.name,
+                "before": len(before),
+                "leased_at_sigterm": sum(1 for leases in before.values() if leases),
+                "after": len(after),
+                "missing": len(missing),
+                "missing_leased_at_sigterm": sum(1 for h in missing if before[h]),
+            }
+        )
         if missing:
             sample = sorted(h.hex() for h in missing)[:5]
             self.finding("lost_blocks_at_clean_restart", daemon=daemon.name, count=len(missing), sample=sample)

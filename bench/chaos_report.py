@@ -27,7 +27,14 @@ if TYPE_CHECKING:
 
 __all__ = ["ContentNames", "summarize", "print_result", "log_exceptions"]
 
-CRASH_FINDINGS = ("engine_crash", "daemon_crash", "daemon_failed_to_start", "engine_did_not_exit")
+CRASH_FINDINGS = (
+    "engine_crash",
+    "engine_did_not_exit",
+    "daemon_crash",
+    "daemon_failed_to_start",
+    "daemon_unclean_exit_on_sigterm",
+    "daemon_hung_on_sigterm",
+)
 
 
 class ContentNames:

@@ -4,12 +4,27 @@ with real daemons, Redis and engine processes under every kind of fault."""
 from __future__ import annotations
 
 import json
+import signal
+import time
 
 import numpy as np
 import pytest
+import torch
+from daemon_harness import daemons, eventually
 
 from bench.chaos_report import ContentNames, log_exceptions
-from bench.chaos_workload import BLOCK_BYTES, Workload, describe_mismatch, expected_bytes, scratch_chain, wrong_bytes
+from bench.chaos_workload import (
+    BLOCK_BYTES,
+    NAMESPACE,
+    Workload,
+    describe_mismatch,
+    expected_bytes,
+    scratch_chain,
+    wrong_bytes,
+)
+from kvstore.api.client import connect
+from kvstore.api.v1 import kvstore_pb2 as pb
+from kvstore.client import KVStoreClient
 
 WORKLOAD = Workload(num_groups=2, num_sessions=4, shared_blocks=3, own_blocks=5)
 
@@ -83,3 +98,99 @@ def test_chaos_run_serves_no_wrong_bytes_loses_no_block_and_leaks_no_slot(tmp_pa
     assert result["leaked_slots"] == 0 and result["phantom_blocks"] == 0, evidence
     assert result["leftover_owners"] == 0, evidence
     assert result["crashes"] == 0, evidence
+
+
+# -- what the chaos run found, each reduced to a deterministic sequence ----------------------
+def _client(daemon) -> tuple[KVStoreClient, bytes]:
+    client = KVStoreClient(daemon.socket, timeout_s=10)
+    return client, client.register_namespace(NAMESPACE)
+
+
+def _blocks(hashes) -> list[torch.Tensor]:
+    return [torch.from_numpy(expected_bytes(h).copy()) for h in hashes]
+
+
+def _loaded_wrong_bytes(client: KVStoreClient, digest: bytes, block_hash: bytes) -> int:
+    into = [torch.zeros(BLOCK_BYTES, dtype=torch.uint8)]
+    assert client.load(digest, [block_hash], into) == 1
+    return wrong_bytes(into[0].numpy(), block_hash)
+
+
+def _stats(daemon) -> pb.StatsResponse:
+    with connect(daemon.address) as api:
+        return api.admin.Stats(pb.StatsRequest())
+
+
+@pytest.mark.slow
+def test_a_late_write_into_an_expired_reservation_never_lands_in_another_block(tmp_path):
+    """A writer stalled past the reservation TTL still holds its slot views; the slot
+    must not carry another block's bytes while it may still write (DESIGN.md, decision 12)."""
+    with daemons(tmp_path) as start:
+        daemon = start(extra={"manager.reservation_ttl_s": "1"})
+        stalled, stalled_digest = _client(daemon)
+        other, digest = _client(daemon)
+        late = scratch_chain(engine_id=1, incarnation=1, serial=1, num_blocks=1)
+        pending = stalled.begin_save(stalled_digest, late)
+        time.sleep(1.8)  # past the TTL: the daemon's housekeeping reclaims the reservation
+        victim = WORKLOAD.chain(0)[:1]
+        other.save(digest, victim, _blocks(victim))
+        pending.views[0].numpy()[:] = expected_bytes(late[0])  # the stalled writer wakes up and finishes
+        assert _loaded_wrong_bytes(other, digest, victim[0]) == 0
+
+
+@pytest.mark.slow
+def test_a_session_closed_with_an_expired_reservation_releases_its_leases(tmp_path):
+    """Closing a session aborts its reservations, then releases its leases; an expired
+    reservation must not stop the leases from being released (a leaked lease pins its
+    blocks for the daemon's life, and a clean stop does not persist them)."""
+    with daemons(tmp_path) as start:
+        daemon = start(extra={"manager.reservation_ttl_s": "1"})
+        client, digest = _client(daemon)
+        held = WORKLOAD.chain(1)[:3]
+        client.save(digest, held, _blocks(held))
+        client.acquire(digest, held)
+        client.begin_save(digest, scratch_chain(engine_id=2, incarnation=1, serial=1, num_blocks=1))
+        time.sleep(1.8)  # the reservation expires while the session is open
+        client.close()
+        assert eventually(lambda: _stats(daemon).num_sessions == 0)
+        assert _stats(daemon).num_leases == 0
+        assert daemon.stop() == 0
+        daemon.start()
+        reader, digest = _client(daemon)
+        assert reader.lookup(digest, held).num_blocks == 3  # the clean stop kept them
+
+
+@pytest.mark.slow
+def test_a_clean_stop_with_an_expired_reservation_open_still_persists(tmp_path):
+    """SIGTERM while a session holds an expired reservation: the daemon must still stop
+    cleanly (exit 0) and move its host blocks to NVMe."""
+    with daemons(tmp_path) as start:
+        daemon = start(extra={"manager.reservation_ttl_s": "1"})
+        client, digest = _client(daemon)
+        kept = WORKLOAD.chain(2)[:4]
+        client.save(digest, kept, _blocks(kept))
+        client.begin_save(digest, scratch_chain(engine_id=3, incarnation=1, serial=1, num_blocks=1))
+        time.sleep(1.8)
+        assert daemon.stop() == 0, daemon.log()
+        client.close()
+        daemon.start()
+        reader, digest = _client(daemon)
+        assert reader.lookup(digest, kept).num_blocks == 4
+
+
+@pytest.mark.slow
+def test_an_engine_that_outlives_its_daemon_cannot_write_into_the_restarted_daemon_s_blocks(tmp_path):
+    """An engine paused mid-save while its daemon is killed and restarted still maps the
+    old host slab; its late writes must not land in the new daemon's blocks."""
+    with daemons(tmp_path) as start:
+        daemon = start()
+        old, old_digest = _client(daemon)
+        late = scratch_chain(engine_id=4, incarnation=1, serial=1, num_blocks=1)
+        pending = old.begin_save(old_digest, late)
+        daemon.stop(signal.SIGKILL)
+        daemon.start()
+        new, digest = _client(daemon)
+        victim = WORKLOAD.chain(3)[:1]
+        new.save(digest, victim, _blocks(victim))
+        pending.views[0].numpy()[:] = expected_bytes(late[0])  # the old engine resumes its copy
+        assert _loaded_wrong_bytes(new, digest, victim[0]) == 0

@@ -86,7 +86,7 @@ class ChaosConfig:
     seconds: float = 240.0
     seed: int = 0
     engines_per_daemon: int = 2
-    fault_interval_s: float = 0.9  # mean gap between faults
+    fault_interval_s: float = 0.8  # mean gap between faults
     evict_interval_s: float = 1.0  # mean gap between the operator's evictions
     host_bytes: int = 16 * MiB
     nvme_bytes: int = 64 * MiB

@@ -306,6 +306,9 @@ class Engine:
             except (KVStoreError, OSError) as exc:
                 self.count("failed_ops")
                 self.count(f"error_{type(exc).__name__}")
+                if self.counters[f"error_{type(exc).__name__}"] <= 3:  # a few sentences of each kind, for the report
+                    self.write_line({"kind": "error", "t": time.time(), "engine": self.settings.engine_id, "phase": self.phase,
+                                     "error": type(exc).__name__, "message": str(exc)[:300]})  # fmt: skip
                 self.drop_client()
             except Exception as exc:
                 self.count("failed_ops")

@@ -79,6 +79,15 @@ def log_exceptions(text: str) -> collections.Counter[str]:
     return found
 
 
+def _error_samples(events: list[dict]) -> dict[str, list[str]]:
+    """Distinct sentences of each error class the engines saw (numbers masked), a few each."""
+    samples: dict[str, set[str]] = {}
+    for event in events:
+        if event["kind"] == "error":
+            samples.setdefault(event["error"], set()).add(f"{event['phase']}: {re.sub(r'[0-9]+', 'N', event['message'])}")
+    return {error: sorted(found)[:5] for error, found in sorted(samples.items())}
+
+
 def summarize(run: ChaosRun, self_test: dict, audit: dict, engines: dict, events: list[dict], seconds: float) -> dict:
     faults = dict(run.faults)
     faults["wire_flip"] = run.proxy.flips
@@ -146,6 +155,7 @@ def summarize(run: ChaosRun, self_test: dict, audit: dict, engines: dict, events
         "findings": run.findings,
         "fault_timeline": run.timeline,
         "engine_events": [e for e in events if e["kind"] == "unexpected"][:20],
+        "engine_error_samples": _error_samples(events),
     }
 
 
@@ -189,6 +199,9 @@ def print_result(report: Report, result: dict) -> None:
     exceptions = [[d, line, n] for d, found in result["daemon_log_exceptions"].items() for line, n in found.items()]
     if exceptions:
         report.print_table("tracebacks in the daemon logs", ["daemon", "last line", "count"], exceptions)
+    for error, sentences in result["engine_error_samples"].items():
+        for sentence in sentences:
+            print(f"engine error {error}: {sentence[:300]}")
     for finding in result["findings"][:20]:
         print(f"finding: {json.dumps({k: v for k, v in finding.items() if k != 'log'})[:400]}")
     for found in result["wrong_found"][:20]:

@@ -145,25 +145,37 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         await stop.wait()
     finally:
         logger.info("stopping: draining requests")
+        # every step is attempted whatever the ones before did: the blocks must reach NVMe
         local_server.close()
-        await grpc_server.stop(grace=server_config.drain_timeout_s)
+        await _attempt("stopping the gRPC server", grpc_server.stop(grace=server_config.drain_timeout_s))
+        await _attempt("closing the engines' connections", local.close())  # no request reaches the tiers after this
         for task in (housekeeping, demotion, publishing):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await publisher.leave()
+        await _attempt("leaving the index", publisher.leave())
         if transfers is not None:
-            await transfers.close()
-        await index.close()
-        local.close()
-        node.close_all_sessions()
-        manager.wait_moves()
-        persisted = manager.persist()
-        logger.info("moved %d memory blocks to NVMe before stopping", persisted)
-        manager.close()
-        socket_path.unlink(missing_ok=True)
-        state_path_for(socket_path).unlink(missing_ok=True)
+            await _attempt("closing the transport", transfers.close())
+        await _attempt("closing the index", index.close())
+        try:
+            node.close_all_sessions()
+            manager.wait_moves()
+            persisted = manager.persist()
+            logger.info("moved %d memory blocks to NVMe before stopping", persisted)
+        except Exception:
+            logger.exception("moving memory blocks to NVMe failed; the ones not moved are lost to the restart")
+        finally:
+            manager.close()
+            socket_path.unlink(missing_ok=True)
+            state_path_for(socket_path).unlink(missing_ok=True)
         logger.info("stopped")
+
+
+async def _attempt(what: str, step) -> None:
+    try:
+        await step
+    except Exception:
+        logger.exception("%s failed; stopping anyway", what)
 
 
 async def _housekeeping(node: Node, transfers: TransferService | None, stop: asyncio.Event) -> None:

@@ -61,6 +61,8 @@ class LocalServer:
         self.transfers = transfers  # the TransferService, None where the transport is off
         self.verify_loads = verify_loads
         self._watched: dict[int, int] = {}  # pidfd of a live process -> its orphaned session
+        self._connections: set[LocalServerProtocol] = set()
+        self._all_closed = asyncio.Event()
 
     def protocol(self) -> LocalServerProtocol:
         return LocalServerProtocol(self)
@@ -89,8 +91,23 @@ class LocalServer:
             self.transfers.close_session(session)
         self.node.close_session(session, owner_gone=True)
 
-    def close(self) -> None:
-        """The daemon stops: forget the watched processes (their sessions are closed with all others)."""
+    def joined(self, connection: LocalServerProtocol) -> None:
+        self._connections.add(connection)
+        self._all_closed.clear()
+
+    def left(self, connection: LocalServerProtocol) -> None:
+        self._connections.discard(connection)
+        if not self._connections:
+            self._all_closed.set()
+
+    async def close(self) -> None:
+        """The daemon stops: end every connection (no request is served after this, so
+        nothing reaches the tiers while they are persisted and closed) and forget the
+        watched processes; their sessions are closed with all others."""
+        for connection in list(self._connections):
+            connection.abort()
+        if self._connections:
+            await self._all_closed.wait()
         loop = asyncio.get_running_loop()
         for pidfd in list(self._watched):
             loop.remove_reader(pidfd)
@@ -137,6 +154,7 @@ class LocalServerProtocol(asyncio.Protocol):
         self._transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
         self._session = self._node.open_session()
         self._pidfd = _peer_pidfd(transport)
+        self._server.joined(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -144,6 +162,11 @@ class LocalServerProtocol(asyncio.Protocol):
             task.cancel()
         self._server.end_session(self._session, self._pidfd)
         self._pidfd = None
+        self._server.left(self)
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
 
     def pause_writing(self) -> None:
         self._writing_paused = True

@@ -23,6 +23,7 @@ Owner: the daemon's event loop thread; nothing here is thread-safe.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import time
 from collections.abc import Sequence
@@ -114,13 +115,14 @@ class Node:
         if not owner_gone and (session.reservations or session.leases):
             self._orphans[session_id] = session
             return False
-        for reservation_id in session.reservations:
-            try:
-                self.manager.abort(reservation_id)
-            except NotFound:
-                pass  # its commit was refused as expired, which freed it
-        for lease_id in session.leases:
-            self.manager.release(lease_id)
+        try:
+            for reservation_id in session.reservations:
+                with contextlib.suppress(NotFound):  # its commit was refused as expired, which freed it
+                    self.manager.abort(reservation_id)
+        finally:
+            for lease_id in session.leases:
+                with contextlib.suppress(NotFound):
+                    self.manager.release(lease_id)
         return True
 
     def close_all_sessions(self) -> None:

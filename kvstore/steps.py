@@ -56,6 +56,11 @@ def is_pending(result: object) -> bool:
     return isinstance(result, _Pending)
 
 
+def _outcome_seen(waiting: asyncio.Future) -> None:
+    if not waiting.cancelled():
+        waiting.exception()
+
+
 def _pending(waits: list[Future]) -> bool:
     return any(not future.done() for future in waits)
 
@@ -64,6 +69,8 @@ async def _finish(steps: Steps[T], waits: list[Future]) -> T:
     try:
         while True:
             pending = [asyncio.wrap_future(future) for future in waits if not future.done()]
+            for waiting in pending:  # the operation reads the outcome from the I/O future itself
+                waiting.add_done_callback(_outcome_seen)
             if pending:
                 await asyncio.wait(pending)
             waits = steps.send(None)

@@ -63,9 +63,14 @@ class SharedSlab:
 
     @classmethod
     def create(cls, path: Path, nbytes: int, reclaim_stale: bool = False) -> SharedSlab:
-        flags = os.O_RDWR | os.O_CREAT | (0 if reclaim_stale else os.O_EXCL)
+        """A new segment at ``path``. With ``reclaim_stale``, a file left by a daemon that is
+        gone (its lock is free) is unlinked first: the segment is always a new file, never
+        the old one reused, because engines that outlived that daemon may still map it and
+        write into it — into what would now be this daemon's slots."""
+        if reclaim_stale:
+            cls._unlink_stale(path)
         try:
-            fd = os.open(path, flags, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError as exc:
             raise TierUnavailable(
                 f"{path} already exists: another daemon is running or one crashed; stop it, or start with stale segments reclaimed."
@@ -89,6 +94,23 @@ class SharedSlab:
                 "lower the host tier capacity or enlarge that filesystem."
             ) from exc
         return cls(path, mapping, owner_fd=fd)
+
+    @staticmethod
+    def _unlink_stale(path: Path) -> None:
+        """Remove a segment whose creator is gone; refuse one a live daemon holds."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise TierUnavailable(f"cannot open the stale host tier file {path}: {exc.strerror}.") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise TierUnavailable(f"{path} belongs to a live kvstore daemon; give this one another host tier name.") from exc
+        finally:
+            os.close(fd)
+        path.unlink(missing_ok=True)
 
     @classmethod
     def attach(cls, path: Path | str) -> SharedSlab:

@@ -278,11 +278,19 @@ class Mover:
 
     def start_many(self, entries: list[BlockEntry], dst: TierKind) -> Steps[list[Move]]:
         """Start moving held ``entries`` into ``dst``, as many as room can be made for, in
-        order; returns the moves started (finish each once its future is done)."""
+        order; returns the moves started (finish each once its future is done). An entry
+        that another operation started moving, moved or dropped while room was being made
+        is left out (its caller finds it in flight, or where it is now)."""
         if not entries:
             return []
         slots = yield from self.allocate_steps(dst, entries[0].nbytes, len(entries))
-        return [self.start(entry, dst, slot) for entry, slot in zip(entries, slots)]
+        moves = []
+        for entry, slot in zip(entries, slots):
+            if entry in self._in_flight or entry.tier is dst or not self._residency.is_cached(entry):
+                self._stack.free_quietly(dst, slot)
+            else:
+                moves.append(self.start(entry, dst, slot))
+        return moves
 
     def relieve_pressure_steps(self) -> Steps[int]:
         """Demote from every tier above its high watermark to under its low one; returns the

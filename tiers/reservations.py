@@ -180,18 +180,24 @@ class Reservations:
         now = self._clock()
         expired = [r for r in self._open.values() if r.deadline <= now]
         for reservation in expired:
-            del self._open[reservation.id]
-            self._expired[reservation.id] = reservation
-            for block in reservation.blocks:
-                self._pending.pop((reservation.namespace, block.block_hash), None)
-        self._counters["reservations_expired"] += len(expired)
+            self._quarantine(reservation)
         return len(expired)
+
+    def _quarantine(self, reservation: Reservation) -> None:
+        del self._open[reservation.id]
+        self._expired[reservation.id] = reservation
+        for block in reservation.blocks:
+            self._pending.pop((reservation.namespace, block.block_hash), None)
+        self._counters["reservations_expired"] += 1
 
     def get(self, reservation_id: int) -> Reservation:
         """An open reservation (NotFound / ReservationExpired otherwise). Asking about an
         expired one is its writer's late call: its slots are freed, since the writer is
         evidently done with them."""
         reservation = self._open.get(reservation_id)
+        if reservation is not None and reservation.deadline <= self._clock():
+            self._quarantine(reservation)  # past its deadline, whether or not housekeeping saw it yet
+            reservation = None
         if reservation is not None:
             return reservation
         if self.release_expired(reservation_id):

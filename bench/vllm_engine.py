@@ -34,6 +34,8 @@ import select
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import IO
 
@@ -228,6 +230,75 @@ class EngineProcess:
             self.kill()
             raise EngineFailed(f"engine process gave no answer; log {self._log}:\n{self._log.read_text()[-6000:]}")
         return json.loads(line)
+
+
+class ApiServer:
+    """vLLM's OpenAI API server (``vllm.entrypoints.openai.api_server``) in its own process,
+    with its engine core in another, as a production replica runs; requests go over HTTP."""
+
+    def __init__(self, plan: dict, workdir: Path, name: str, port: int, timeout_s: float = 300) -> None:
+        self.model = plan["model"]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = workdir / f"{name}.log"
+        command = [
+            str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--port", str(port),
+            "--host", "127.0.0.1", "--dtype", "bfloat16", "--block-size", str(plan.get("block_size", 32)),
+            "--max-model-len", str(plan.get("max_model_len", 4096)), "--enforce-eager", "--seed", "0",
+            "--enable-prompt-tokens-details",
+        ]  # fmt: skip
+        if not plan.get("prefix_caching", False):
+            command.append("--no-enable-prefix-caching")
+        connector = plan.get("connector")
+        if connector is not None:
+            config = {
+                "kv_connector": connector["name"],
+                "kv_connector_module_path": connector.get("module"),
+                "kv_role": connector.get("role", "kv_both"),
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": connector.get("extra", {}),
+            }
+            command += ["--kv-transfer-config", json.dumps(config)]
+        env = {**os.environ, **ENGINE_ENV}
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server's default: the engine core is a process of its own
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1], env=env)
+        deadline = time.monotonic() + timeout_s
+        while not self._healthy():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise EngineFailed(f"the API server did not come up; log {self.log}:\n{self.log.read_text()[-6000:]}")
+            time.sleep(0.5)
+
+    def complete(self, prompt: list[int], max_tokens: int = 16, timeout_s: float = 120) -> tuple[int, dict]:
+        """(HTTP status, JSON body) of a greedy /v1/completions request for token ids."""
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}).encode()
+        request = urllib.request.Request(f"{self.url}/v1/completions", body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, {"error": error.read().decode(errors="replace")}
+
+    @staticmethod
+    def cached_tokens(body: dict) -> int:
+        details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
+        return details.get("cached_tokens") or 0
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.model_executor.models.utils import extract_layer_index
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import DaemonUnavailable, InvalidArgument
 from kvstore.tier_kind import TierKind
 
 if TYPE_CHECKING:
@@ -58,6 +58,16 @@ def connector_logger(module: str) -> logging.Logger:
     """A logger under vLLM's, so the connector's lines share vLLM's handlers, format and
     level (VLLM_LOGGING_LEVEL)."""
     return logging.getLogger(f"vllm.{module}")
+
+
+def log_failure(logger: logging.Logger, what: str, error: BaseException) -> None:
+    """A daemon call that failed and became a miss or a skipped save. A daemon that is away
+    was logged once by the client when it went (and when it came back), so its misses are
+    not logged again each; anything else is."""
+    if isinstance(error, DaemonUnavailable):
+        logger.debug("kvstore: %s: %s", what, error)
+    else:
+        logger.warning("kvstore: %s: %s", what, error)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from kvstore.namespace import Namespace
 from kvstore.paths import default_socket_path
 
 _DEFAULT_HANDOFF_TIMEOUT_S = 60.0
+_DEFAULT_DAEMON_TIMEOUT_S = 5.0
 
 __all__ = [
     "ConnectorSettings",
@@ -48,19 +49,22 @@ class ConnectorSettings:
     model_id: str = ""  # overrides the model path in the namespace (same weights, other paths)
     handoff_timeout_s: float = _DEFAULT_HANDOFF_TIMEOUT_S  # PD: how long either side waits for the other
     handoff_destination: str = ""  # PD producer: the decode daemon, unless a request names one
+    daemon_timeout_s: float = _DEFAULT_DAEMON_TIMEOUT_S  # a daemon call slower than this is a miss (or a skipped save)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
-        known = {"socket_path", "tenant_salt", "model_id", "handoff_timeout_s", "handoff_destination"}
+        known = {"socket_path", "tenant_salt", "model_id", "handoff_timeout_s", "handoff_destination", "daemon_timeout_s"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise InvalidArgument(
                 f"kv_connector_extra_config has unknown key(s) {', '.join(unknown)}; the kvstore connector reads "
                 f"{', '.join(sorted(known))}."
             )
-        timeout = extra.get("handoff_timeout_s", _DEFAULT_HANDOFF_TIMEOUT_S)
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise InvalidArgument(f"handoff_timeout_s must be a positive number of seconds, got {timeout!r}.")
+        timeouts = {}
+        for key, default in (("handoff_timeout_s", _DEFAULT_HANDOFF_TIMEOUT_S), ("daemon_timeout_s", _DEFAULT_DAEMON_TIMEOUT_S)):
+            timeouts[key] = extra.get(key, default)
+            if not isinstance(timeouts[key], (int, float)) or timeouts[key] <= 0:
+                raise InvalidArgument(f"{key} must be a positive number of seconds, got {timeouts[key]!r}.")
         for key in ("socket_path", "tenant_salt", "model_id", "handoff_destination"):
             if not isinstance(extra.get(key, ""), str):
                 raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be a string.")
@@ -68,8 +72,9 @@ class ConnectorSettings:
             socket_path=extra.get("socket_path") or str(default_socket_path()),
             tenant_salt=extra.get("tenant_salt", ""),
             model_id=extra.get("model_id", ""),
-            handoff_timeout_s=float(timeout),
+            handoff_timeout_s=float(timeouts["handoff_timeout_s"]),
             handoff_destination=extra.get("handoff_destination", ""),
+            daemon_timeout_s=float(timeouts["daemon_timeout_s"]),
         )
 
 

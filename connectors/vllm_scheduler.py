@@ -35,6 +35,7 @@ from kvstore.connectors.vllm_compat import (
     ScheduledRequest,
     connector_logger,
     first_group_block_ids,
+    log_failure,
     prompt_token_ids,
     scheduled_requests,
     transfer_params,
@@ -86,9 +87,10 @@ class SchedulerSide:
         self._block_size = geometry.block_size
         self._settings = settings
         self._role = role
-        self._client = KVStoreClient(settings.socket_path)
+        # the engine starts and serves whether or not the daemon is up: a daemon that is away is misses
+        self._client = KVStoreClient(settings.socket_path, timeout_s=settings.daemon_timeout_s, require_daemon=False)
         self._digests = [
-            self._client.register_namespace(namespace_for(geometry, rank, settings.tenant_salt)) for rank in range(geometry.tp_size)
+            self._client.ensure_namespace(namespace_for(geometry, rank, settings.tenant_salt)) for rank in range(geometry.tp_size)
         ]
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadSpec] = []
@@ -207,7 +209,7 @@ class SchedulerSide:
                 per_rank.append(tiers[:loadable])
         except KVStoreError as exc:
             self.counters.lookup_failures += 1
-            logger.warning("kvstore: lookup failed, treating it as a miss: %s", exc)
+            log_failure(logger, "lookup failed, treating it as a miss", exc)
             return ()
         return tuple(max(tiers, key=lambda tier: tier.rank) for tiers in zip(*per_rank))
 

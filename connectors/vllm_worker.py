@@ -38,6 +38,7 @@ from kvstore.connectors.vllm_compat import (
     check_kv_cache,
     connector_logger,
     layer_index,
+    log_failure,
     worker_tp_rank,
 )
 from kvstore.connectors.vllm_handoff import HandoffReceiver, HandoffSender
@@ -99,8 +100,8 @@ class WorkerSide:
         self._layer_of = {name: index for index, (name, _) in enumerate(ordered)}
         self._caches = [cache for _, cache in ordered]
         namespace = namespace_for(self._geometry, worker_tp_rank(), self._settings.tenant_salt)
-        self._client = KVStoreClient(self._settings.socket_path)
-        self._digest = self._client.register_namespace(namespace)
+        self._client = KVStoreClient(self._settings.socket_path, timeout_s=self._settings.daemon_timeout_s, require_daemon=False)
+        self._digest = self._client.ensure_namespace(namespace)
         geometry = self._geometry
         orders = [
             BlockOrder.discover(
@@ -221,14 +222,14 @@ class WorkerSide:
         try:
             return self._client.acquire(self._digest, hashes)
         except KVStoreError as exc:
-            logger.warning("kvstore: lease failed, the blocks will be recomputed: %s", exc)
+            log_failure(logger, "lease failed, the blocks will be recomputed", exc)
             return Lease((), ())
 
     def _release(self, lease: Lease) -> None:
         try:
             self._client.release(lease)
-        except (KVStoreError, OSError) as exc:
-            logger.warning("kvstore: release failed (the daemon frees the lease when the connection goes): %s", exc)
+        except KVStoreError as exc:
+            log_failure(logger, "release failed (the daemon frees the lease when the connection goes)", exc)
 
     def _fail_blocks(self, block_ids: Sequence[int], why: str) -> None:
         logger.warning("kvstore: %s; vLLM recomputes them", why)
@@ -240,7 +241,7 @@ class WorkerSide:
         try:
             pending = self._client.begin_save(self._digest, spec.hashes, spec.parent_hash)
         except KVStoreError as exc:
-            logger.warning("kvstore: cannot reserve %d blocks, not saving them: %s", len(spec.hashes), exc)
+            log_failure(logger, f"cannot reserve {len(spec.hashes)} blocks, not saving them", exc)
             return None
         return pending
 
@@ -255,4 +256,4 @@ class WorkerSide:
                     "kvstore: not saving %d blocks of request %s: this step's KV is not trusted", len(pending.indices), spec.req_id
                 )
         except KVStoreError as exc:
-            logger.warning("kvstore: saving %d blocks of request %s failed: %s", len(pending.indices), spec.req_id, exc)
+            log_failure(logger, f"saving {len(pending.indices)} blocks of request {spec.req_id} failed", exc)

@@ -476,7 +476,7 @@ class _Wire:
         """A reply to an abandoned request: the notices that give back what it granted."""
         request = self.abandoned.pop(reply[0], None)
         if request is None:
-            raise DaemonUnavailable(f"the kvstore daemon answered request {reply[0]}, which this client never sent; reconnecting.")
+            raise DaemonUnavailable(f"the kvstore daemon answered request {reply[0]}, which this client never sent.")
         if not self.abandoned:
             self.overdue_since = 0.0
         if reply[1] != 0 or request.give_back is None:
@@ -491,6 +491,7 @@ class _Connection:
         self.path = path
         self.timeout_s = timeout_s
         self.wire = _Wire()
+        self.broken = False
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.settimeout(timeout_s)
@@ -538,7 +539,11 @@ class _Connection:
             self._give_back(reply)
 
     def _give_back(self, reply: list) -> None:
-        for frame in self.wire.settle(reply):
+        try:
+            frames = self.wire.settle(reply)
+        except DaemonUnavailable as exc:  # out of step: this connection cannot be trusted any more
+            raise self._gone(f"{exc} Reconnecting.") from None
+        for frame in frames:
             self._send(frame)
 
     def _send(self, frame: bytes) -> None:
@@ -548,7 +553,7 @@ class _Connection:
         except TimeoutError as exc:
             raise DaemonUnavailable(f"the kvstore daemon did not take a request within {self.timeout_s:g}s.") from exc
         except OSError as exc:
-            raise _Gone(f"the connection to the kvstore daemon broke ({exc.strerror or exc}); it may be restarting.") from exc
+            raise self._gone(f"the connection to the kvstore daemon broke ({exc.strerror or exc}); it may be restarting.") from exc
 
     def _receive(self, timeout_s: float) -> bool:
         """Read what has arrived within ``timeout_s``; False when nothing did."""
@@ -558,18 +563,19 @@ class _Connection:
         except (TimeoutError, BlockingIOError):
             return False
         except OSError as exc:
-            raise _Gone(f"the connection to the kvstore daemon broke ({exc.strerror or exc}); it may be restarting.") from exc
+            raise self._gone(f"the connection to the kvstore daemon broke ({exc.strerror or exc}); it may be restarting.") from exc
         if not chunk:
-            raise _Gone("the kvstore daemon closed the connection; it may be restarting.")
+            raise self._gone("the kvstore daemon closed the connection; it may be restarting.")
         self.wire.buffer += chunk
         return True
 
+    def _gone(self, sentence: str) -> DaemonUnavailable:
+        """The connection itself is over: the client connects afresh on a later call."""
+        self.broken = True
+        return DaemonUnavailable(sentence)
+
     def close(self) -> None:
         self.sock.close()
-
-
-class _Gone(DaemonUnavailable):
-    """The connection itself is over: the next call connects afresh."""
 
 
 class KVStoreClient:
@@ -610,7 +616,16 @@ class KVStoreClient:
         return self._connection is not None
 
     def register_namespace(self, namespace: Namespace) -> bytes:
+        """Register ``namespace`` with the daemon; it is registered again on every reconnect."""
         return self._run(self._core.register_namespace(namespace))
+
+    def ensure_namespace(self, namespace: Namespace) -> bytes:
+        """Register ``namespace`` now if the daemon is up, else once it is back; its digest
+        either way (for engines that must start whether or not the daemon runs)."""
+        try:
+            return self.register_namespace(namespace)
+        except DaemonUnavailable:
+            return namespace.digest
 
     def lookup(self, namespace: bytes, hashes: Sequence[BlockHash]) -> LookupResult:
         return self._run(self._core.lookup(namespace, hashes))
@@ -760,10 +775,9 @@ class KVStoreClient:
                         connection.notify(step.op, step.args)
                     else:
                         value = connection.call(step)
-            except _Gone as exc:
-                self._lost(exc)
-                error = exc
             except KVStoreError as exc:
+                if connection.broken:
+                    self._lost(exc)
                 error = exc
 
     def _connect(self) -> _Connection:
@@ -819,6 +833,10 @@ class _Widened:
 
     def notify(self, op: int, args: tuple) -> None:
         self._connection.notify(op, args)
+
+    @property
+    def broken(self) -> bool:
+        return self._connection.broken
 
 
 # -- the asyncio face -----------------------------------------------------------------------------------

@@ -14,7 +14,9 @@ must get those prefixes from kvstore alone:
 3. prefill/decode disaggregation: a producer instance prefills and hands the KV, layer
    by layer, to the decode instance's daemon (a second daemon, over TCP); the consumer
    instance decodes with it the tokens a single instance decodes. A handoff that never
-   comes is recomputed.
+   comes is recomputed;
+4. a daemon restarted (and killed) under vLLM's OpenAI API server that keeps receiving
+   requests fails none of them; hits resume once it is back, from NVMe.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +37,7 @@ import pytest
 from daemon_harness import Daemon, daemons
 from test_manager_nvme import flip_a_byte_of
 
-from bench.vllm_engine import VLLM_PYTHON, build_model, engine_process
+from bench.vllm_engine import VLLM_PYTHON, ApiServer, build_model, engine_process
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.client import KVStoreClient
@@ -236,3 +241,61 @@ def test_a_prefill_instance_hands_the_kv_to_a_decode_instance_layer_by_layer(sto
         with KVStoreClient(daemon.socket) as client:
             digest = client.register_namespace(store.namespace())
             assert client.lookup(digest, chain_hashes(U, BLOCK)).num_blocks == PROMPT_TOKENS // BLOCK
+
+
+def test_a_daemon_restart_under_a_serving_vllm_fails_no_request_and_hits_resume(store):
+    daemon = store.start_daemon()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    plan = {"model": str(store.model), "block_size": BLOCK, "max_model_len": 4096, "connector": store.connector(daemon)}
+    server = ApiServer(plan, store.workdir, "api-server-restart", port)
+    try:
+        status, body = server.complete(P)
+        assert status == 200, body
+        status, body = server.complete(P)
+        assert status == 200 and server.cached_tokens(body) == FULL_HIT  # prefix caching is off: from kvstore
+        answer = body["choices"][0]["text"]
+
+        statuses: list[int] = []
+        stop = threading.Event()
+
+        def keep_asking() -> None:
+            turn = 0
+            while not stop.is_set():
+                statuses.append(server.complete(random_prompt(100 + turn % 7, 400), max_tokens=4)[0])
+                turn += 1
+
+        asking = threading.Thread(target=keep_asking, daemon=True)
+        asking.start()
+        try:
+            time.sleep(2)
+            assert daemon.stop(signal.SIGTERM) == 0  # a clean restart: the blocks go to NVMe
+            time.sleep(3)  # requests meanwhile are misses
+            daemon.start()
+            time.sleep(3)
+            daemon.stop(signal.SIGKILL)  # and one that is not clean
+            time.sleep(2)
+            daemon.start()
+            time.sleep(3)
+        finally:
+            stop.set()
+            asking.join(timeout=300)
+        assert statuses and all(code == 200 for code in statuses), statuses
+        assert server.process.poll() is None
+
+        # hits resume once the client has reconnected: P was on NVMe across the clean restart
+        deadline = time.monotonic() + 60
+        while True:
+            status, body = server.complete(P)
+            assert status == 200, body
+            if server.cached_tokens(body) == FULL_HIT or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert server.cached_tokens(body) == FULL_HIT and body["choices"][0]["text"] == answer
+        with connect(daemon.address) as client:
+            assert dict(client.admin.Stats(pb.StatsRequest()).counters).get("hit_blocks_nvme", 0) >= FULL_HIT // BLOCK
+    finally:
+        server.kill()
+    log = server.log.read_text()
+    assert "EngineCore encountered a fatal error" not in log and "Traceback" not in log, log[-6000:]

@@ -33,7 +33,7 @@ import torch
 import xxhash
 
 from kvstore.client import KVStoreClient
-from kvstore.errors import DaemonUnavailable, InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.hashing import BlockHash
 from kvstore.layout import DTYPE_SIZES
 from kvstore.namespace import Namespace
@@ -65,7 +65,7 @@ class EngineKeyStore:
         self._local = threading.local()
         self._clients: list[KVStoreClient] = []  # every thread's connection, closed by close()
         self._clients_lock = threading.Lock()
-        with self._connection():  # connect now: a missing daemon fails the engine's start, not a request
+        with self._connection():  # connect now, so a daemon that is not there is logged at start
             pass
 
     def hashes(self, keys: Sequence[str]) -> list[BlockHash]:
@@ -115,32 +115,17 @@ class EngineKeyStore:
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[KVStoreClient]:
-        """This thread's daemon connection. One that breaks (the daemon stopped or
-        restarted) is dropped, so the next call connects afresh."""
+        """This thread's daemon connection. The client reconnects by itself after the
+        daemon went away (and registers the namespace again); meanwhile calls raise
+        DaemonUnavailable, which the connectors count as misses."""
         client = getattr(self._local, "client", None)
         if client is None:
-            client = KVStoreClient(self._socket_path)
-            try:
-                client.register_namespace(self.namespace)
-            except BaseException:
-                client.close()
-                raise
+            client = KVStoreClient(self._socket_path, require_daemon=False)
+            client.ensure_namespace(self.namespace)
             self._local.client = client
             with self._clients_lock:
                 self._clients.append(client)
-        try:
-            yield client
-        except (OSError, DaemonUnavailable) as exc:
-            self._local.client = None
-            with self._clients_lock:
-                if client in self._clients:  # close() may have taken it already
-                    self._clients.remove(client)
-            client.close()
-            if isinstance(exc, OSError):
-                raise DaemonUnavailable(
-                    f"the connection to the kvstore daemon broke ({exc.strerror or exc}); it may be restarting."
-                ) from exc
-            raise
+        yield client
 
     def _typed(self, raw: torch.Tensor) -> torch.Tensor:
         return raw.view(self.dtype).view(self.block_shape)

@@ -204,6 +204,12 @@ def test_a_daemon_that_went_away_makes_gets_miss_and_puts_fail_quietly(daemon, e
     assert e.remote.batched_get_blocking([e.key(500)]) == [None]
     assert not e.remote.contains(e.key(500)) and e.remote.batched_contains([e.key(500)]) == 0
     e.remote.batched_submit_put_task([e.key(501)], [e.chunk(501)])  # logged, not raised
+    d.start()  # back: the plugin's client reconnects by itself and registers its namespace again
+    deadline = time.monotonic() + 15
+    while not e.remote.contains(e.key(502)) and time.monotonic() < deadline:
+        e.remote.batched_submit_put_task([e.key(502)], [e.chunk(502)])  # refused until it has reconnected
+        time.sleep(0.3)
+    assert e.remote.batched_get_blocking([e.key(502)])[0] is not None
 
 
 def test_partial_chunks_are_refused_with_a_sentence(daemon, engine, caplog):

@@ -48,6 +48,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,7 @@ logger = logging.getLogger(__name__)
 MAX_BACKOFF_S = 2.0
 LAG_GRACE_S = 0.1  # while an answer is overdue, how long a call waits for it before failing at once
 _CHUNK = 256 * 1024  # copy-and-hash granule: the chunk is still in cache when it is hashed
+_PARALLEL_HASH_BYTES = 4 * 1024 * 1024  # from here a save hashes on a helper thread beside the copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,8 +269,7 @@ class _Core:
 
     def commit(self, pending: PendingSave) -> Call:
         """Commit slots filled in place: their checksums are taken now, from the slots."""
-        checksums = [_checksum(view) for view in pending.views]
-        return (yield from self._commit(pending, checksums))
+        return (yield from self._commit(pending, _checksums_of_slots(pending.views)))
 
     def _commit(self, pending: PendingSave, checksums: list[int]) -> Call:
         if pending.generation != self.generation:
@@ -401,10 +402,23 @@ def _checksum(view: torch.Tensor) -> int:
 
 
 def _copy_in(slots: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> list[int]:
-    """Copy each source into its slab slot and return the XXH3-64 of each slot's bytes.
-    Between CPU buffers the copy goes in cache-sized chunks, each hashed while it is still
-    in cache (one pass over memory for both); a device source is copied (and waited for)
-    first, then hashed in the slab."""
+    """Copy each source into its slab slot and return the XXH3-64 of each block.
+
+    Large saves from host memory hash the sources on a helper thread while this one copies
+    them (xxhash releases the GIL; the copy is memory-bound, the hash is not, so on a host
+    with a core to spare the checksums cost almost nothing). Smaller ones copy in
+    cache-sized chunks, each hashed while it is still in cache. A device source is copied
+    (and waited for) first, then hashed in the slab. A checksum of the source that the
+    slot's bytes do not match (a copy gone wrong, a source changed under the copy) is
+    caught wherever the block is verified: a miss, never data."""
+    if all(source.device.type == "cpu" for source in sources) and sum(s.numel() for s in slots) >= _PARALLEL_HASH_BYTES:
+        hashing = _hasher().submit(_checksums_of, [memoryview(source.detach().numpy()) for source in sources])
+        try:
+            for slot, source in zip(slots, sources):
+                ctypes.memmove(slot.data_ptr(), source.data_ptr(), slot.numel())
+        finally:
+            checksums = hashing.result()
+        return checksums
     checksums = []
     for slot, source in zip(slots, sources):
         if source.device.type != "cpu":
@@ -420,6 +434,33 @@ def _copy_in(slots: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> 
             state.update(landed[offset : offset + length])
         checksums.append(state.intdigest())
     return checksums
+
+
+def _checksums_of(buffers: list[memoryview]) -> list[int]:
+    return [xxhash.xxh3_64_intdigest(buffer) for buffer in buffers]
+
+
+def _checksums_of_slots(views: Sequence[torch.Tensor]) -> list[int]:
+    """The XXH3-64 of each slot; many megabytes are hashed half on the helper thread."""
+    buffers = [memoryview(view.numpy()) for view in views]
+    if sum(view.numel() for view in views) < _PARALLEL_HASH_BYTES:
+        return _checksums_of(buffers)
+    half = len(buffers) // 2
+    first = _hasher().submit(_checksums_of, buffers[:half])
+    second = _checksums_of(buffers[half:])
+    return first.result() + second
+
+
+_HASHER: ThreadPoolExecutor | None = None
+_HASHER_LOCK = threading.Lock()
+
+
+def _hasher() -> ThreadPoolExecutor:
+    global _HASHER
+    with _HASHER_LOCK:
+        if _HASHER is None:
+            _HASHER = ThreadPoolExecutor(1, thread_name_prefix="kvstore-checksum")
+        return _HASHER
 
 
 def _copy_out(targets: Sequence[torch.Tensor], slots: Sequence[torch.Tensor]) -> None:

@@ -91,6 +91,8 @@ class ServerConfig:
     # per load, in the engine process); off, blocks are checked where they leave the
     # daemon's trust: demotion to NVMe, NVMe reads, peers
     verify_loads: bool = False
+    # how often the daemon samples its event loop's lateness (kvstore_event_loop_lag_seconds)
+    loop_lag_interval_ms: float = 100.0
 
     def __post_init__(self) -> None:
         if self.socket_mode not in (0o600, 0o660):
@@ -103,6 +105,8 @@ class ServerConfig:
             raise ConfigError("server.node_id must not be empty.")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"server.drain_timeout_s must not be negative, got {self.drain_timeout_s}.")
+        if not 0.1 <= self.loop_lag_interval_ms <= 60_000:
+            raise ConfigError(f"server.loop_lag_interval_ms must lie in [0.1, 60000], got {self.loop_lag_interval_ms}.")
 
     @property
     def grpc_address(self) -> str:

@@ -139,6 +139,7 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
     )
     housekeeping = asyncio.create_task(_housekeeping(node, transfers, stop))
     demotion = asyncio.create_task(_demotion(manager, stop))
+    probing = asyncio.create_task(_probe_loop_lag(metrics, server_config.loop_lag_interval_ms / 1000, stop))
     if ready is not None:
         ready.set()
     try:
@@ -149,7 +150,7 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         local_server.close()
         await _attempt("stopping the gRPC server", grpc_server.stop(grace=server_config.drain_timeout_s))
         await _attempt("closing the engines' connections", local.close())  # no request reaches the tiers after this
-        for task in (housekeeping, demotion, publishing):
+        for task in (housekeeping, demotion, probing, publishing):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -198,6 +199,15 @@ async def _demotion(manager: TierManager, stop: asyncio.Event) -> None:
         except Exception:  # a failed round must not stop the daemon
             logger.exception("demotion failed")
         await asyncio.sleep(HOUSEKEEPING_PERIOD_S)
+
+
+async def _probe_loop_lag(metrics: Metrics, interval_s: float, stop: asyncio.Event) -> None:
+    """Sample how late the loop runs a timer: every request waits at least that long."""
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        due = loop.time() + interval_s
+        await asyncio.sleep(interval_s)
+        metrics.loop_lag.observe(max(0.0, loop.time() - due))
 
 
 class _Reaper:

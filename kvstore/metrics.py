@@ -57,6 +57,13 @@ class Metrics:
             registry=r,
             buckets=(50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.1, 0.5, 1.0, 5.0),
         )
+        self.loop_lag = Histogram(
+            "kvstore_event_loop_lag_seconds",
+            "How late the daemon's event loop ran a timer (sampled every server.loop_lag_interval_ms): "
+            "the longest any request waits for the loop.",
+            registry=r,
+            buckets=(1e-3, 2e-3, 3e-3, 5e-3, 7.5e-3, 10e-3, 15e-3, 20e-3, 30e-3, 50e-3, 75e-3, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+        )
         self._children: dict[tuple[bytes, str, str], tuple] = {}
         self._rpc_children: dict[str, object] = {}
         self._snapshot = _Snapshot()

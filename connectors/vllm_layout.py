@@ -221,6 +221,13 @@ class CopyJob:
             raise error
 
 
+def wait_all(jobs: Sequence[CopyJob]) -> BaseException | None:
+    """Wait for every job — the ones after a failed one too, since they may still be reading
+    slab slots a caller is about to give back — and return the first error, or None."""
+    errors = [job.exception() for job in jobs]
+    return next((error for error in errors if error is not None), None)
+
+
 class CopyThread:
     """The thread that runs copies ahead of the engine (one: copies of a step go in order)."""
 

@@ -42,7 +42,7 @@ from kvstore.connectors.vllm_compat import (
     worker_tp_rank,
 )
 from kvstore.connectors.vllm_handoff import HandoffReceiver, HandoffSender
-from kvstore.connectors.vllm_layout import BlockOrder, BlockRun, CopyJob, CopyThread, LayerCopier, runs_of
+from kvstore.connectors.vllm_layout import BlockOrder, BlockRun, CopyJob, CopyThread, LayerCopier, runs_of, wait_all
 from kvstore.connectors.vllm_meta import ConnectorSettings, KVStoreConnectorMetadata, SaveSpec, namespace_for
 from kvstore.errors import InvalidArgument, KVStoreError
 
@@ -184,19 +184,15 @@ class WorkerSide:
     def finish_step(self) -> None:
         """End of the forward pass: loads are done, so release their leases; commit the
         step's saves if every layer was copied and nothing the step read failed to load."""
-        for future in self._layer_loads:
-            try:
-                future.result()
-            except Exception as exc:  # some layers hold bytes of unknown state: recompute them all
-                self._fail_blocks(self._loading_block_ids, f"a layer copy from the slab failed ({exc})")
-                break
-        saves_copied = True
-        for future in self._layer_saves:
-            try:
-                future.result()
-            except Exception as exc:
-                logger.error("kvstore: a layer copy into the slab failed, not saving this step: %s", exc)
-                saves_copied = False
+        # every queued copy is waited for, even after one failed: a copy still running reads
+        # slots whose leases are released below
+        error = wait_all(self._layer_loads)
+        if error is not None:  # some layers hold bytes of unknown state: recompute them all
+            self._fail_blocks(self._loading_block_ids, f"a layer copy from the slab failed ({error})")
+        error = wait_all(self._layer_saves)
+        if error is not None:
+            logger.error("kvstore: a layer copy into the slab failed, not saving this step: %s", error)
+        saves_copied = error is None
         for lease in self._leases:
             self._release(lease)
         if self._sender is not None:  # registered: steps before that (profiling) move nothing

@@ -1,5 +1,7 @@
 """The tier manager over real memory tiers (CPU tensors) and, where noted, the NVMe tier."""
 
+from concurrent.futures import Future
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 from kvstore.tier_kind import TierKind
 from kvstore.tiers.manager import TierManager, TierManagerConfig
-from kvstore.tiers.memory import MemoryTier, VirtualTier
+from kvstore.tiers.memory import MemoryTier, VirtualTier, _SlabTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")
 NAMESPACE = Namespace("tiny-llama", LAYOUT)
@@ -245,3 +247,105 @@ def test_persist_moves_memory_blocks_into_the_lowest_tier():
     assert manager.lookup(NS, hashes) == [TierKind.NVME] * 3
     out = torch.empty(BLOCK, dtype=torch.uint8)
     assert manager.get(NS, hashes[1], out) and torch.equal(out, data[1])
+
+
+# -- one owner per slot: readers, moves and the steps between them ------------------------------
+def _reserve_in(manager, kind, hashes, data):
+    reservation = manager.reserve(NS, hashes, tier=kind)
+    for view, block in zip(manager.reservation_slots(reservation), data):
+        view.copy_(block)
+    manager.commit(reservation.id)
+
+
+def test_a_block_a_reader_holds_never_moves_to_another_tier():
+    manager = make_manager(host_blocks=4, hbm_blocks=4)
+    hashes, data = chain(1, 2), blocks_for(1, 2)
+    _reserve_in(manager, TierKind.HOST, hashes, data)
+    reader = manager.acquire(NS, hashes, TierKind.HOST)
+    views = manager.lease_views(reader)
+    promoted = manager.acquire(NS, hashes, TierKind.HBM)  # another reader wants the top tier
+    assert promoted.blocks == ()  # the block ends its prefix where it is, for the first reader
+    _reserve_in(manager, TierKind.HOST, chain(2, 2), blocks_for(2, 2))  # the other slots go to other blocks
+    assert all(torch.equal(view, block) for view, block in zip(views, data))
+    manager.release(promoted.id)
+    manager.release(reader.id)
+    assert len(manager.acquire(NS, hashes, TierKind.HBM).blocks) == 2  # once let go, it may move
+
+
+class GatedTier(_SlabTier):
+    """A tier standing in for NVMe (bytes kept in private memory, no views) whose transfers
+    end only when the test says so."""
+
+    def __init__(self, kind, num_blocks):
+        super().__init__(kind, num_blocks * BLOCK, PAGE)
+        self._bytes = torch.zeros(num_blocks * BLOCK, dtype=torch.uint8)
+        self.gates = []
+
+    def write(self, slot, src, meta):
+        self._bytes[slot.offset : slot.offset + meta.nbytes] = src
+
+    def read(self, slot, dst, meta):
+        dst.copy_(self._bytes[slot.offset : slot.offset + meta.nbytes])
+
+    def _gated(self, operation, slot, tensor, meta):
+        future = Future()
+        self.gates.append((future, lambda: operation(slot, tensor, meta)))
+        return future
+
+    def submit_write(self, slot, src, meta):
+        return self._gated(self.write, slot, src, meta)
+
+    def submit_read(self, slot, dst, meta):
+        return self._gated(self.read, slot, dst, meta)
+
+    def open_gates(self):
+        gates, self.gates = self.gates, []
+        for future, operation in gates:
+            operation()
+            future.set_result(None)
+
+
+def test_a_block_leased_while_it_is_being_demoted_stays_where_its_reader_reads_it():
+    gated = GatedTier(TierKind.NVME, 8)
+    manager = TierManager(TierManagerConfig(demote_on_commit=False), [memory_tier(TierKind.HOST, 4), gated], clock=Clock())
+    manager.register_namespace(NAMESPACE)
+    hashes, data = chain(3, 4), blocks_for(3, 4)
+    manager.put(NS, hashes, data)  # the host tier is full: over its high watermark
+    demotion = manager.relieve_pressure_steps()
+    waits = next(demotion)  # demotions started: their NVMe writes are in flight
+    assert waits and manager.num_moves_in_flight
+    moving = [e for e in manager.catalogue if e.moving]
+    lease = manager.acquire(NS, hashes, TierKind.HOST)  # a reader comes while they are copied
+    assert len(lease.blocks) == 4
+    gated.open_gates()
+    with pytest.raises(StopIteration):
+        demotion.send(None)
+    assert manager.lookup(NS, hashes) == [TierKind.HOST] * 4  # nothing moved from under the reader
+    assert manager.counters["moves_undone_for_readers"] == len(moving)
+    assert all(torch.equal(v, d) for v, d in zip(manager.lease_views(lease), data))
+    assert gated.stats().used_bytes == 0  # the copies made meanwhile were let go
+    manager.release(lease.id)
+
+
+def test_a_promotion_whose_reader_went_away_still_finishes_and_leaks_nothing():
+    gated = GatedTier(TierKind.NVME, 8)
+    manager = TierManager(TierManagerConfig(demote_on_commit=False), [memory_tier(TierKind.HOST, 4), gated], clock=Clock())
+    manager.register_namespace(NAMESPACE)
+    hashes, data = chain(4, 2), blocks_for(4, 2)
+    manager.put(NS, hashes, data)
+    persisting = manager.persist_steps()
+    assert next(persisting)  # onto the gated tier
+    gated.open_gates()
+    with pytest.raises(StopIteration):
+        persisting.send(None)
+    assert manager.lookup(NS, hashes) == [TierKind.NVME] * 2
+    acquiring = manager.acquire_steps(NS, hashes, TierKind.HOST)
+    assert next(acquiring)  # promotions started, the reader waits for their reads
+    acquiring.close()  # the reader went away at that step
+    assert manager.num_moves_in_flight == 2
+    gated.open_gates()
+    assert manager.reap() == 2  # the moves finish on their own
+    assert manager.lookup(NS, hashes) == [TierKind.HOST] * 2
+    assert all(e.num_leases == 0 and e.evictable for e in manager.catalogue)
+    lease = manager.acquire(NS, hashes, TierKind.HOST)
+    assert all(torch.equal(v, d) for v, d in zip(manager.lease_views(lease), data))

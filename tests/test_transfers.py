@@ -12,7 +12,7 @@ import torch
 
 from kvstore.chains import drain_plan, shared_prefixes
 from kvstore.drain import drain, warm
-from kvstore.errors import CorruptBlock, InvalidArgument, TransferFailed
+from kvstore.errors import CorruptBlock, InvalidArgument, NotFound, TransferFailed
 from kvstore.events import BlockStored
 from kvstore.hashing import chain_hashes
 from kvstore.index.base import NodeInfo
@@ -322,6 +322,94 @@ def test_an_unclaimed_handoff_is_stored_and_its_staging_freed_at_the_deadline():
         assert decode.handoffs.incoming == {}
         assert decode.manager.tier(TierKind.HOST).stats().used_bytes == 2 * BLOCK
         assert decode.manager.lookup(DIGEST, hashes) == [TierKind.HOST] * 2  # a late reader loads it from the store
+        await fleet.close()
+
+    run(main())
+
+
+# -- one owner per slot: staging and slots a broken-off channel may still touch --------------
+def test_an_attached_consumer_keeps_its_staging_past_the_deadline_until_it_lets_go():
+    async def main():
+        fleet = Fleet()
+        prefill, decode = await fleet.add("prefill"), await fleet.add("decode", handoff_timeout_s=0.3)
+        hashes, data = _hashes(2), _blocks(2, seed=6)
+        sender = await prefill.handoff_send(1, DIGEST, hashes, None, "req-6", decode.address)
+        receiver = await decode.handoff_receive(7, DIGEST, "req-6", timeout_s=5)
+        offset, length = LAYOUT.layer_slice(0)
+        for view, block in zip(sender.views, data):
+            view[offset : offset + length] = block[offset : offset + length]
+        prefill.handoff_layers_ready(1, "req-6", 0, 1)
+        await decode.handoff_wait(7, "req-6", 1, timeout_s=5)
+        await asyncio.sleep(0.4)
+        decode.housekeeping()  # the handoff times out while the consumer engine reads layer 0
+        with pytest.raises(TransferFailed):
+            await decode.handoff_wait(7, "req-6", 2, timeout_s=1)
+        decode.manager.put(DIGEST, _hashes(60, start=10_000), _blocks(60, seed=7))  # other blocks take every free slot
+        assert all(torch.equal(v[offset : offset + length], b[offset : offset + length]) for v, b in zip(receiver.views, data))
+        used = decode.manager.tier(TierKind.HOST).stats().used_bytes
+        decode.handoff_close(7, "req-6")  # the consumer lets go: now the staging is free
+        assert decode.manager.tier(TierKind.HOST).stats().used_bytes == used - 2 * BLOCK
+        await fleet.close()
+
+    run(main())
+
+
+def test_a_producer_keeps_its_staging_past_the_deadline_until_it_lets_go():
+    async def main():
+        fleet = Fleet()
+        prefill, decode = await fleet.add("prefill", handoff_timeout_s=0.3), await fleet.add("decode")
+        await prefill.handoff_send(1, DIGEST, _hashes(2), None, "req-7", decode.address)
+        prefill.handoff_layers_ready(1, "req-7", 0, 1)
+        await asyncio.sleep(0.4)
+        prefill.housekeeping()  # timed out while the producer engine may still be writing layer 1
+        assert prefill.manager.tier(TierKind.HOST).stats().used_bytes == 2 * BLOCK
+        with pytest.raises(NotFound):
+            prefill.handoff_cancel(2, "req-7")  # another connection cannot let go of it
+        with pytest.raises(TransferFailed, match="did not finish"):
+            prefill.handoffs.outgoing["req-7"].raise_if_failed()
+        prefill.handoff_cancel(1, "req-7")  # its own engine does
+        assert prefill.manager.tier(TierKind.HOST).stats().used_bytes == 0
+        await fleet.close()
+
+    run(main())
+
+
+def test_slots_a_broken_off_receive_may_still_fill_are_freed_only_once_the_channel_settles(monkeypatch):
+    from kvstore.transport import base
+
+    settled = asyncio.Event()
+
+    async def wait_settled(self):
+        await settled.wait()
+
+    monkeypatch.setattr(base._MemoryChannel, "touching_buffers", property(lambda self: not settled.is_set()))
+    monkeypatch.setattr(base._MemoryChannel, "settled", wait_settled)
+
+    async def main():
+        fleet = Fleet()
+        a, b = await fleet.add("a"), await fleet.add("b")
+        hashes = _hashes(8)
+        a.manager.put(DIGEST, hashes, _blocks(8, seed=8))
+        from kvstore.transport import peer
+
+        original = peer.send_blocks
+
+        async def slow_send_blocks(channel, transfer_id, namespace, blocks, *args):
+            for block in blocks:
+                await original(channel, transfer_id, namespace, [block], *args)
+                await asyncio.sleep(0.2)
+
+        import kvstore.transfers.peer_server as serving
+
+        monkeypatch.setattr(serving, "send_blocks", slow_send_blocks)
+        stored = await b.fetch_from(a.address, DIGEST, hashes, None, deadline_s=0.5)
+        assert stored == 0  # a receive may still be posted: nothing is committed or freed yet
+        assert b.manager.num_reservations == 1 and b.manager.tier(TierKind.HOST).stats().used_bytes == 8 * BLOCK
+        settled.set()  # the transport says nothing can land any more
+        await asyncio.sleep(0.05)
+        assert b.manager.num_reservations == 0
+        arrived = len(b.manager.lookup(DIGEST, hashes))
+        assert 1 <= arrived < 8 and b.manager.tier(TierKind.HOST).stats().used_bytes == arrived * BLOCK
         await fleet.close()
 
     run(main())

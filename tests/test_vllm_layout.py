@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from kvstore.connectors.vllm_layout import BlockOrder, CopyThread, LayerCopier, runs_of
+from kvstore.connectors.vllm_layout import BlockOrder, CopyThread, LayerCopier, runs_of, wait_all
 from kvstore.errors import InvalidArgument
 from kvstore.layout import KVLayout
 
@@ -145,4 +145,25 @@ def test_a_failed_copy_hands_its_error_to_the_waiter():
     assert isinstance(job.exception(), RuntimeError)
     with pytest.raises(RuntimeError, match="out of range"):
         job.result()
+    copies.shutdown()
+
+
+def test_after_a_failed_copy_the_copies_queued_behind_it_are_waited_for():
+    """The worker releases a step's leases once its copies are done; a copy that is still
+    running after an earlier one failed reads slots that must not be let go yet."""
+    copies = CopyThread("test-copies")
+    release = threading.Event()
+    finished = []
+
+    def failing():
+        raise RuntimeError("the copy of layer 0 failed")
+
+    def slow():
+        release.wait(5)
+        finished.append(True)
+
+    jobs = [copies.submit(failing), copies.submit(slow)]
+    threading.Timer(0.3, release.set).start()
+    error = wait_all(jobs)
+    assert isinstance(error, RuntimeError) and finished == [True]
     copies.shutdown()

@@ -360,11 +360,14 @@ class TierManager:
     def relieve_pressure(self) -> int:
         return run(self.relieve_pressure_steps())
 
-    def persist(self, batch: int = 256) -> int:
+    def persist_steps(self, batch: int = 256) -> Steps[int]:
         """Move every block of the tiers above the lowest one into it, as far as it has room
         (before a planned restart: only the lowest, persistent tier survives one). Returns
         the number of blocks moved."""
-        return run(self._mover.persist_steps(batch))
+        return (yield from self._mover.persist_steps(batch))
+
+    def persist(self, batch: int = 256) -> int:
+        return run(self.persist_steps(batch))
 
     # -- I/O completion ---------------------------------------------------------------------
     def wait_moves(self) -> None:

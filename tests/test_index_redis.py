@@ -14,8 +14,8 @@ redis = pytest.importorskip("redis", reason="redis-py is not installed (pip inst
 
 from redis.asyncio.cluster import RedisCluster  # noqa: E402
 from redis.crc import key_slot  # noqa: E402
-from redis_server import RedisServer, find_redis_server, redis_server, start_cluster  # noqa: F401 (fixture)
 
+from bench.redis_server import RedisServer, find_redis_server, start_cluster
 from kvstore.errors import IndexUnavailable, InvalidArgument
 from kvstore.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored, RemovalReason
 from kvstore.index.base import NodeInfo

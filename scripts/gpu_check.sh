@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA device, as one script for a GPU machine with no network
+# (`make gpu-check`). It installs kvstore (no dependencies fetched) and the wheels in
+# .whl/ that the machine lacks (`make gpu-wheels` downloads them, for Python 3.12) into
+# a scratch site directory, then runs the tests marked `gpu` and the transport bench,
+# whose overlap figure launches the layers' compute on the GPU. Figures and logs go to
+# $OUT when it is set (the device tool's output folder), else to bench/out/gpu-check.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-bench/out/gpu-check}
+SITE=${SITE:-/tmp/kvstore-gpu-site}
+mkdir -p "$OUT" "$SITE"
+WHEELS=${WHEELS:-.whl}
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 1
+fi
+"$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$SITE" . || exit 1
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+"$PYTHON" -c "import torch; print('cuda:', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee "$OUT/device.txt"
+status=0
+"$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$OUT/gpu-tests.log" || status=1
+"$PYTHON" -m bench.transport --quick --json 2>&1 | tee "$OUT/transport.log" || status=1
+exit $status

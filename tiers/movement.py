@@ -354,7 +354,8 @@ class Mover:
         for kind in usable[:-1]:
             entries = [e for e in residency.catalogue if e.tier == kind and e.evictable and e not in self._in_flight]
             for start in range(0, len(entries), batch):
-                chunk = [e for e in entries[start : start + batch] if residency.is_cached(e) and e.evictable]
+                # what changed while earlier chunks were written (moved, dropped, held) is left alone
+                chunk = [e for e in entries[start : start + batch] if residency.is_cached(e) and e.evictable and e.tier == kind]
                 for entry in chunk:
                     residency.hold(entry)
                 try:

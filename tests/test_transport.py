@@ -305,6 +305,19 @@ def test_an_address_without_a_port_in_range_is_refused_before_connecting(address
     run(body())
 
 
+@pytest.mark.parametrize("host", ["a" * 64, "a..b", "\x00"])
+def test_a_host_name_that_cannot_be_resolved_is_a_transfer_failure(host):
+    async def body():
+        transport = open_transport(TransportConfig(kind="tcp"))
+        try:
+            with pytest.raises(TransferFailed, match="cannot resolve"):
+                await transport.connect(f"tcp://{host}:1", timeout_s=5)
+        finally:
+            await transport.close()
+
+    run(body())
+
+
 # -- corruption ------------------------------------------------------------------------
 async def start_flipping_proxy(target_port: int, flip_at: int):
     """A TCP proxy that forwards both ways and inverts the client's byte number ``flip_at``."""

@@ -417,3 +417,16 @@ async def test_blocking_client_helper():
             assert unreachable.value.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED") and address in str(unreachable.value)
 
     await asyncio.to_thread(call_a_stopped_server)
+
+
+@in_loop
+async def test_a_request_that_does_not_parse_is_invalid_argument_and_logs_no_traceback(caplog):
+    async with serving() as api:
+        ns = await register_and_fill(api)
+        for method in ("/kvstore.v1.Store/Lookup", "/kvstore.v1.Index/Route", "/kvstore.v1.Admin/ListBlocks"):
+            call = api.channel.unary_unary(method)  # bytes in, bytes out
+            for body in (b"\xff\xff\xff", b"\x0a\x05ab", b"\x0a\xff\xff\xff\x0f", b"\x80"):
+                sentence = await refused(grpc.StatusCode.INVALID_ARGUMENT, call(body))
+                assert method.rsplit("/", 1)[1] in sentence
+            await still_serving(api, ns)
+        assert not [r for r in caplog.records if r.exc_info], "a malformed request is the caller's mistake, not the daemon's"

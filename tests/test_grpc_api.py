@@ -21,6 +21,7 @@ from kvstore.api.server import create_grpc_server
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.config import IndexConfig, RoutingConfig, ServerConfig
+from kvstore.errors import NotFound
 from kvstore.hashing import chain_hashes
 from kvstore.index.base import NodeInfo
 from kvstore.index.embedded import EmbeddedIndex
@@ -430,3 +431,17 @@ async def test_a_request_that_does_not_parse_is_invalid_argument_and_logs_no_tra
                 assert method.rsplit("/", 1)[1] in sentence
             await still_serving(api, ns)
         assert not [r for r in caplog.records if r.exc_info], "a malformed request is the caller's mistake, not the daemon's"
+
+
+@in_loop
+async def test_a_status_sentence_is_bounded_whatever_the_error_echoes():
+    async with serving() as api:
+        ns = await register_and_fill(api)
+
+        def echoing_evict(*args):
+            raise NotFound("no live peer among " + ", ".join(f"node-{i:05d}" for i in range(10_000)) + ".")  # 100 KB the caller sent
+
+        api.node.evict = echoing_evict
+        sentence = await refused(grpc.StatusCode.NOT_FOUND, api.admin.Evict(pb.EvictRequest(all=True)))
+        assert sentence.startswith("no live peer among node-00000") and len(sentence) <= 1024
+        await still_serving(api, ns)

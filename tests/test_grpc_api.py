@@ -445,3 +445,15 @@ async def test_a_status_sentence_is_bounded_whatever_the_error_echoes():
         sentence = await refused(grpc.StatusCode.NOT_FOUND, api.admin.Evict(pb.EvictRequest(all=True)))
         assert sentence.startswith("no live peer among node-00000") and len(sentence) <= 1024
         await still_serving(api, ns)
+
+
+@in_loop
+async def test_drain_and_warm_node_ids_are_bounded_like_matchs():
+    async with serving() as api:
+        ns = await register_and_fill(api)
+        admin = api.admin
+        for ids in (["n"] * 4097, ["x" * 1025]):
+            for call in (admin.Drain(pb.DrainRequest(target_node_ids=ids)), admin.Warm(pb.WarmRequest(source_node_ids=ids))):
+                sentence = await refused(grpc.StatusCode.INVALID_ARGUMENT, call)
+                assert "limit" in sentence and "transport" not in sentence  # checked before anything else
+        await still_serving(api, ns)

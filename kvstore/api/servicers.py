@@ -234,12 +234,14 @@ class AdminServicer(_NodeServicer, pb_grpc.AdminServicer):
 
     @_served
     async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
-        report = await drain(self._transfers(), self.router.index, self.router.sessions, list(request.target_node_ids), request.max_bytes)
+        targets = list(convert.node_ids(request.target_node_ids, "target_node_ids"))
+        report = await drain(self._transfers(), self.router.index, self.router.sessions, targets, request.max_bytes)
         return convert.move_report(report)
 
     @_served
     async def Warm(self, request: pb.WarmRequest, context) -> pb.DrainResponse:
-        report = await warm(self._transfers(), self.router.index, list(request.source_node_ids), request.max_bytes)
+        sources = list(convert.node_ids(request.source_node_ids, "source_node_ids"))
+        report = await warm(self._transfers(), self.router.index, sources, request.max_bytes)
         return convert.move_report(report)
 
     def _transfers(self) -> TransferService:

@@ -457,3 +457,15 @@ async def test_drain_and_warm_node_ids_are_bounded_like_matchs():
                 sentence = await refused(grpc.StatusCode.INVALID_ARGUMENT, call)
                 assert "limit" in sentence and "transport" not in sentence  # checked before anything else
         await still_serving(api, ns)
+
+
+@in_loop
+async def test_a_page_token_this_node_cannot_have_issued_is_refused():
+    async with serving() as api:
+        ns = await register_and_fill(api)
+        for token in ("-3", "+3", " 3", "3 ", "٣", "1_0", "0x3", "3.0"):
+            await refused(grpc.StatusCode.INVALID_ARGUMENT, api.admin.ListBlocks(pb.ListBlocksRequest(page_size=3, page_token=token)))
+        first = await api.admin.ListBlocks(pb.ListBlocksRequest(page_size=3))
+        second = await api.admin.ListBlocks(pb.ListBlocksRequest(page_size=3, page_token=first.next_page_token))
+        assert first.next_page_token == "3" and len(second.blocks) == 3 and second.blocks[0] != first.blocks[0]
+        await still_serving(api, ns)

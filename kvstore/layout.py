@@ -43,14 +43,16 @@ class KVLayout:
     inner_order: str = "NHD"
 
     def __post_init__(self) -> None:
+        # ints only, not bools or floats: 1.0 == 1, but it would make every size a float
+        # (a float nbytes breaks Stats) and give the same layout another digest
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise InvalidArgument(f"KVLayout.{name} must be a positive integer, got {value!r}.")
         if self.dtype not in DTYPE_SIZES:
             known = ", ".join(sorted(DTYPE_SIZES))
             raise InvalidArgument(f"KVLayout.dtype {self.dtype!r} is not one of: {known}.")
-        if self.kv_planes not in (1, 2):
+        if not _is_int(self.kv_planes) or self.kv_planes not in (1, 2):
             raise InvalidArgument(f"KVLayout.kv_planes must be 1 (MLA) or 2 (K and V), got {self.kv_planes!r}.")
         if self.inner_order not in _INNER_ORDERS:
             raise InvalidArgument(f"KVLayout.inner_order must be one of {_INNER_ORDERS}, got {self.inner_order!r}.")
@@ -98,3 +100,7 @@ class KVLayout:
             f"layers={self.num_layers};heads={self.num_kv_heads};head_dim={self.head_dim};"
             f"block={self.block_size};dtype={self.dtype};planes={self.kv_planes};inner={self.inner_order}"
         )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -278,10 +278,11 @@ class Node:
             raise InvalidArgument(f"page_size must lie in [1, {self.limits.max_page_size}], got {page_size}.")
         if digest is not None:
             self.manager.block_bytes(digest)
-        try:
-            start = int(page_token) if page_token else 0
-        except ValueError:
-            raise InvalidArgument(f"page_token {page_token!r} was not issued by this node.") from None
+        # the tokens issued are plain decimal offsets; int() would also take "-3" (a page
+        # from the end), " 3", "+3", "1_0" and non-ASCII digits
+        if page_token and not (page_token.isascii() and page_token.isdigit()):
+            raise InvalidArgument(f"page_token {page_token!r} was not issued by this node.")
+        start = int(page_token) if page_token else 0
         now = time.monotonic()
         blocks = [b for b in self.manager.blocks(digest, tier) if min_idle_s is None or now - b.last_access >= min_idle_s]
         # stable order so that pages follow each other: oldest first

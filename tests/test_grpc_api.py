@@ -21,6 +21,7 @@ from kvstore.api.server import create_grpc_server
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.config import IndexConfig, RoutingConfig, ServerConfig
+from kvstore.errors import NotFound
 from kvstore.hashing import chain_hashes
 from kvstore.index.base import NodeInfo
 from kvstore.index.embedded import EmbeddedIndex
@@ -417,3 +418,54 @@ async def test_blocking_client_helper():
             assert unreachable.value.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED") and address in str(unreachable.value)
 
     await asyncio.to_thread(call_a_stopped_server)
+
+
+@in_loop
+async def test_a_request_that_does_not_parse_is_invalid_argument_and_logs_no_traceback(caplog):
+    async with serving() as api:
+        ns = await register_and_fill(api)
+        for method in ("/kvstore.v1.Store/Lookup", "/kvstore.v1.Index/Route", "/kvstore.v1.Admin/ListBlocks"):
+            call = api.channel.unary_unary(method)  # bytes in, bytes out
+            for body in (b"\xff\xff\xff", b"\x0a\x05ab", b"\x0a\xff\xff\xff\x0f", b"\x80"):
+                sentence = await refused(grpc.StatusCode.INVALID_ARGUMENT, call(body))
+                assert method.rsplit("/", 1)[1] in sentence
+            await still_serving(api, ns)
+        assert not [r for r in caplog.records if r.exc_info], "a malformed request is the caller's mistake, not the daemon's"
+
+
+@in_loop
+async def test_a_status_sentence_is_bounded_whatever_the_error_echoes():
+    async with serving() as api:
+        ns = await register_and_fill(api)
+
+        def echoing_evict(*args):
+            raise NotFound("no live peer among " + ", ".join(f"node-{i:05d}" for i in range(10_000)) + ".")  # 100 KB the caller sent
+
+        api.node.evict = echoing_evict
+        sentence = await refused(grpc.StatusCode.NOT_FOUND, api.admin.Evict(pb.EvictRequest(all=True)))
+        assert sentence.startswith("no live peer among node-00000") and len(sentence) <= 1024
+        await still_serving(api, ns)
+
+
+@in_loop
+async def test_drain_and_warm_node_ids_are_bounded_like_matchs():
+    async with serving() as api:
+        ns = await register_and_fill(api)
+        admin = api.admin
+        for ids in (["n"] * 4097, ["x" * 1025]):
+            for call in (admin.Drain(pb.DrainRequest(target_node_ids=ids)), admin.Warm(pb.WarmRequest(source_node_ids=ids))):
+                sentence = await refused(grpc.StatusCode.INVALID_ARGUMENT, call)
+                assert "limit" in sentence and "transport" not in sentence  # checked before anything else
+        await still_serving(api, ns)
+
+
+@in_loop
+async def test_a_page_token_this_node_cannot_have_issued_is_refused():
+    async with serving() as api:
+        ns = await register_and_fill(api)
+        for token in ("-3", "+3", " 3", "3 ", "٣", "1_0", "0x3", "3.0"):
+            await refused(grpc.StatusCode.INVALID_ARGUMENT, api.admin.ListBlocks(pb.ListBlocksRequest(page_size=3, page_token=token)))
+        first = await api.admin.ListBlocks(pb.ListBlocksRequest(page_size=3))
+        second = await api.admin.ListBlocks(pb.ListBlocksRequest(page_size=3, page_token=first.next_page_token))
+        assert first.next_page_token == "3" and len(second.blocks) == 3 and second.blocks[0] != first.blocks[0]
+        await still_serving(api, ns)

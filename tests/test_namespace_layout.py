@@ -23,7 +23,16 @@ def test_layout_sizes_and_slices():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(num_layers=0), dict(dtype="float64"), dict(kv_planes=3), dict(inner_order="XYZ"), dict(block_size=-16)],
+    [
+        dict(num_layers=0),
+        dict(dtype="float64"),
+        dict(kv_planes=3),
+        dict(inner_order="XYZ"),
+        dict(block_size=-16),
+        dict(kv_planes=1.0),  # equal to 1, but it makes every size a float (and the digest another)
+        dict(kv_planes=True),
+        dict(num_layers=True),
+    ],
 )
 def test_bad_layouts_are_rejected_with_the_field_named(kwargs):
     base = dict(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16)

@@ -282,6 +282,42 @@ def test_connecting_to_a_closed_port_fails_quickly(kind):
     assert run(body(), timeout_s=30) < 6
 
 
+@pytest.mark.parametrize(
+    "address",
+    [
+        "tcp://127.0.0.1:99999999999999999999",
+        "tcp://127.0.0.1:65536",
+        "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1:²",
+        "tcp://127.0.0.1:٣",
+        "tcp://h:-1",
+    ],
+)
+def test_an_address_without_a_port_in_range_is_refused_before_connecting(address):
+    async def body():
+        transport = open_transport(TransportConfig(kind="tcp"))
+        try:
+            with pytest.raises(InvalidArgument, match=r"port in \[1, 65535\]"):
+                await transport.connect(address, timeout_s=5)
+        finally:
+            await transport.close()
+
+    run(body())
+
+
+@pytest.mark.parametrize("host", ["a" * 64, "a..b", "\x00"])
+def test_a_host_name_that_cannot_be_resolved_is_a_transfer_failure(host):
+    async def body():
+        transport = open_transport(TransportConfig(kind="tcp"))
+        try:
+            with pytest.raises(TransferFailed, match="cannot resolve"):
+                await transport.connect(f"tcp://{host}:1", timeout_s=5)
+        finally:
+            await transport.close()
+
+    run(body())
+
+
 # -- corruption ------------------------------------------------------------------------
 async def start_flipping_proxy(target_port: int, flip_at: int):
     """A TCP proxy that forwards both ways and inverts the client's byte number ``flip_at``."""

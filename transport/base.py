@@ -143,8 +143,9 @@ def split_address(address: str, scheme: str) -> tuple[str, int]:
     if not address.startswith(prefix):
         raise InvalidArgument(f"transport address {address!r} does not start with {prefix}.")
     host, _, port = address[len(prefix) :].rpartition(":")
-    if not host or not port.isdigit():
-        raise InvalidArgument(f"transport address {address!r} is not {prefix}host:port.")
+    # ASCII digits only: str.isdigit() also takes "²" (which int() refuses) and "٣"
+    if not host or not (port.isascii() and port.isdigit() and 0 < int(port) <= 65535):
+        raise InvalidArgument(f"transport address {address!r} is not {prefix}host:port with a port in [1, 65535].")
     return host.strip("[]"), int(port)
 
 

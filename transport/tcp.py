@@ -250,7 +250,7 @@ class TcpTransport(Transport):
         loop = asyncio.get_running_loop()
         try:
             infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout_s)
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (OSError, UnicodeError, asyncio.TimeoutError) as exc:  # UnicodeError: a name IDNA cannot encode (a label over 63)
             raise TransferFailed(f"cannot resolve the peer address {address}: {exc}.") from exc
         family, _, _, _, sockaddr = infos[0]
         sock = socket.socket(family, socket.SOCK_STREAM)

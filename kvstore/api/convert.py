@@ -163,11 +163,11 @@ def prefix(request: pb.LookupRequest | pb.MatchRequest, limits: Limits) -> Prefi
     raise InvalidArgument("the request names no prefix; set token_ids or block_hashes.")
 
 
-def node_ids(raw: Sequence[str]) -> set[str]:
+def node_ids(raw: Sequence[str], field: str = "node_ids") -> set[str]:
     if len(raw) > MAX_NODE_IDS:
-        raise InvalidArgument(f"node_ids has {len(raw)} entries; the limit is {MAX_NODE_IDS}.")
+        raise InvalidArgument(f"{field} has {len(raw)} entries; the limit is {MAX_NODE_IDS}.")
     for node_id in raw:
-        _check_name(node_id, "node_ids")
+        _check_name(node_id, field)
     return set(raw)
 
 

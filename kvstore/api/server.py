@@ -6,14 +6,16 @@ then ``await server.start()``; on shutdown ``await server.stop(grace)``.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import grpc
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.api.auth import BearerTokenInterceptor
 from kvstore.api.servicers import AdminServicer, IndexServicer, StoreServicer
 from kvstore.api.v1 import kvstore_pb2 as pb
-from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError
 from kvstore.node import Limits, Node
@@ -50,6 +52,35 @@ class _Health(health.aio.HealthServicer):
             self._server_status[service] = health_pb2.HealthCheckResponse.SERVING
 
 
+def _add_service(server: grpc.aio.Server, name: str, servicer: object) -> None:
+    """Serve the kvstore.v1 service ``name`` by ``servicer``, as the generated
+    ``add_<name>Servicer_to_server`` would, except that each method parses its request
+    itself: a body that is not its message is INVALID_ARGUMENT with a sentence, where
+    grpc's own deserializer would answer UNKNOWN and log a traceback for every one."""
+    service = pb.DESCRIPTOR.services_by_name[name]
+    handlers = {
+        method.name: grpc.unary_unary_rpc_method_handler(
+            _parsing(getattr(servicer, method.name), getattr(pb, method.input_type.name), f"{name}.{method.name}"),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+        for method in service.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _parsing(behavior: Callable[..., Awaitable[Message]], request_type: type[Message], rpc: str) -> Callable[..., Awaitable[Message]]:
+    async def serve(body: bytes, context: grpc.aio.ServicerContext) -> Message:
+        try:
+            request = request_type.FromString(body)
+        except DecodeError:
+            sentence = f"the {rpc} request does not parse as a {request_type.DESCRIPTOR.full_name} message; encode it from kvstore.proto."
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, sentence)
+        return await behavior(request, context)
+
+    return serve
+
+
 def create_grpc_server(
     node: Node, router: Router, config: ServerConfig, transfers: TransferService | None = None
 ) -> tuple[grpc.aio.Server, int]:
@@ -67,9 +98,9 @@ def create_grpc_server(
             ("grpc.max_send_message_length", limit),
         ],
     )
-    pb_grpc.add_StoreServicer_to_server(StoreServicer(node), server)
-    pb_grpc.add_IndexServicer_to_server(IndexServicer(node, router), server)
-    pb_grpc.add_AdminServicer_to_server(AdminServicer(node, router, transfers), server)
+    _add_service(server, "Store", StoreServicer(node))
+    _add_service(server, "Index", IndexServicer(node, router))
+    _add_service(server, "Admin", AdminServicer(node, router, transfers))
     health_pb2_grpc.add_HealthServicer_to_server(_Health(KVSTORE_SERVICES), server)
     reflection.enable_server_reflection((*KVSTORE_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:

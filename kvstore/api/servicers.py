@@ -57,6 +57,11 @@ _STATUS_FOR: tuple[tuple[type[KVStoreError], grpc.StatusCode], ...] = (
     (TransferFailed, grpc.StatusCode.UNAVAILABLE),
 )
 
+# A sentence travels in the grpc-message trailer: one that echoes much of a request (a
+# drain's target list) would pass the client's metadata limit and reach it as "Stream
+# removed" instead; the start of a sentence says what was wrong.
+MAX_SENTENCE_CHARS = 1024
+
 Request = TypeVar("Request")
 Response = TypeVar("Response")
 Method = Callable[[object, Request, grpc.aio.ServicerContext], Awaitable[Response]]
@@ -67,6 +72,11 @@ def status_for(error: KVStoreError) -> grpc.StatusCode:
         if isinstance(error, kind):
             return code
     return grpc.StatusCode.INTERNAL
+
+
+def _bounded(sentence: str) -> str:
+    cut = "… (shortened)."
+    return sentence if len(sentence) <= MAX_SENTENCE_CHARS else sentence[: MAX_SENTENCE_CHARS - len(cut)] + cut
 
 
 def _served(method: Method) -> Method:
@@ -81,7 +91,7 @@ def _served(method: Method) -> Method:
         except grpc.aio.AbortError:
             raise  # the method chose its status already
         except KVStoreError as exc:
-            await context.abort(status_for(exc), str(exc))
+            await context.abort(status_for(exc), _bounded(str(exc)))
         except Exception as exc:
             _log.exception("%s failed", rpc)
             await context.abort(
@@ -224,12 +234,14 @@ class AdminServicer(_NodeServicer, pb_grpc.AdminServicer):
 
     @_served
     async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
-        report = await drain(self._transfers(), self.router.index, self.router.sessions, list(request.target_node_ids), request.max_bytes)
+        targets = list(convert.node_ids(request.target_node_ids, "target_node_ids"))
+        report = await drain(self._transfers(), self.router.index, self.router.sessions, targets, request.max_bytes)
         return convert.move_report(report)
 
     @_served
     async def Warm(self, request: pb.WarmRequest, context) -> pb.DrainResponse:
-        report = await warm(self._transfers(), self.router.index, list(request.source_node_ids), request.max_bytes)
+        sources = list(convert.node_ids(request.source_node_ids, "source_node_ids"))
+        report = await warm(self._transfers(), self.router.index, sources, request.max_bytes)
         return convert.move_report(report)
 
     def _transfers(self) -> TransferService:

@@ -41,9 +41,10 @@ class Namespace:
         if not isinstance(self.layout, KVLayout):
             raise InvalidArgument("Namespace.layout must be a KVLayout.")
         for rank, size, what in ((self.tp_rank, self.tp_size, "tp"), (self.pp_rank, self.pp_size, "pp")):
-            if not isinstance(size, int) or size <= 0:
+            # bools are ints to Python, but would give the same shard a second digest
+            if type(size) is not int or size <= 0:
                 raise InvalidArgument(f"Namespace.{what}_size must be a positive integer, got {size!r}.")
-            if not isinstance(rank, int) or not 0 <= rank < size:
+            if type(rank) is not int or not 0 <= rank < size:
                 raise InvalidArgument(f"Namespace.{what}_rank must lie in [0, {size}), got {rank!r}.")
         if not isinstance(self.tenant_salt, str):
             raise InvalidArgument("Namespace.tenant_salt must be a string.")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.errors import InvalidArgument, NotFound, ReservationExpired, UnknownNamespace
+from kvstore.errors import CapacityExhausted, InvalidArgument, NotFound, ReservationExpired, UnknownNamespace
 from kvstore.hashing import BlockHash, chain_hashes
 from kvstore.metrics import Metrics
 from kvstore.namespace import Namespace
@@ -51,6 +51,7 @@ class Limits:
     max_tokens_per_request: int = 4 * 1024 * 1024
     max_inline_bytes: int = 64 * 1024 * 1024
     max_page_size: int = 10_000
+    max_namespaces: int = 4096  # distinct namespaces a node keeps (each costs a table entry for good)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +132,11 @@ class Node:
 
     # -- namespaces -----------------------------------------------------------------------
     def register_namespace(self, namespace: Namespace) -> bytes:
+        known = self.manager.namespaces()
+        if namespace.digest not in known and len(known) >= self.limits.max_namespaces:
+            raise CapacityExhausted(
+                f"node {self.node_id} knows {len(known)} namespaces, its limit; restart it to forget the ones no engine uses."
+            )
         self.manager.register_namespace(namespace)
         return namespace.digest
 

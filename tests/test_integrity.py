@@ -404,6 +404,23 @@ def test_malformed_requests_get_a_clear_error(start, body):
     assert "Traceback" not in daemon.log()
 
 
+def test_a_node_keeps_a_bounded_number_of_namespaces(start):
+    daemon = start()
+    raw = Raw(daemon.socket)
+    try:
+        for model in range(4096):
+            raw.send(Op.REGISTER, namespace_to_wire(Namespace(f"m{model}", LAYOUT)))
+        replies = [raw.reply() for _ in range(4096)]
+        assert all(reply[1] == 0 for reply in replies)
+        with pytest.raises(KVStoreError, match="namespaces, its limit"):
+            raw.call(Op.REGISTER, namespace_to_wire(Namespace("one-too-many", LAYOUT)))
+        assert (
+            raw.call(Op.REGISTER, namespace_to_wire(Namespace("m7", LAYOUT)))[0] == Namespace("m7", LAYOUT).digest
+        )  # known ones still register
+    finally:
+        raw.close()
+
+
 def test_error_replies_are_bounded(start):
     daemon = start()
     raw = Raw(daemon.socket)

@@ -74,3 +74,10 @@ def test_bad_namespaces_are_rejected():
         Namespace("", LAYOUT)
     with pytest.raises(InvalidArgument):
         Namespace("m", LAYOUT, tp_rank=2, tp_size=2)
+
+
+def test_bools_are_not_ranks_or_sizes():
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
+    for fields in ({"tp_rank": False}, {"tp_size": True}, {"pp_rank": False, "pp_size": 1}):
+        with pytest.raises(InvalidArgument):
+            Namespace("m", layout, **fields)

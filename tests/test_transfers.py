@@ -225,6 +225,9 @@ def test_handoff_layers_out_of_order_and_unknown_transfers_are_refused():
             await prefill.handoff_finish(1, "req-3", timeout_s=1)
         with pytest.raises(TransferFailed, match="no producer announced"):
             await decode.handoff_receive(7, DIGEST, "nobody", timeout_s=0.2)
+        with pytest.raises(InvalidArgument, match="more than once"):
+            await prefill.handoff_send(1, DIGEST, _hashes(2) + _hashes(1), None, "req-dup", decode.address)
+        assert prefill.manager.tier(TierKind.HOST).stats().used_bytes == BLOCK  # req-3's staging only
         await fleet.close()
 
     run(main())

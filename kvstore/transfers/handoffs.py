@@ -50,6 +50,11 @@ def wire_transfer_id(transfer_id: str) -> int:
     return xxhash.xxh3_64_intdigest(transfer_id.encode())
 
 
+def _check_distinct(transfer_id: str, hashes: Sequence[BlockHash]) -> None:
+    if len(set(hashes)) != len(hashes):
+        raise InvalidArgument(f"handoff {transfer_id!r} names a block more than once; block hashes of one handoff must be distinct.")
+
+
 class HandoffRegistry:
     def __init__(self, manager: TierManager, timeout_s: float, settling: Settling, clock: Callable[[], float] = time.monotonic) -> None:
         self.manager = manager
@@ -74,6 +79,7 @@ class HandoffRegistry:
         destination: str,
     ) -> OutgoingHandoff:
         wire_id = wire_transfer_id(transfer_id)
+        _check_distinct(transfer_id, hashes)
         if transfer_id in self.outgoing:
             raise InvalidArgument(f"handoff {transfer_id!r} is already being sent from this node.")
         slots = await run_steps(self.manager.allocate_staging_steps(digest, len(hashes)))
@@ -119,6 +125,7 @@ class HandoffRegistry:
             raise InvalidArgument(f"handoff {transfer_id!r} is already being received by this node.")
         if not hashes:
             raise InvalidArgument(f"handoff {transfer_id!r} names no blocks.")
+        _check_distinct(transfer_id, hashes)
         slots = await run_steps(self.manager.allocate_staging_steps(digest, len(hashes)))
         if transfer_id in self.incoming:
             self.manager.free_staging(slots)

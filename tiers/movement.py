@@ -29,7 +29,7 @@ tiers/steps.py) for the demotions it started, because a victim's slot is free on
 its bytes are out. Nothing here waits on I/O by itself.
 
 Owner: the tier manager's thread (see tiers/manager.py); only ``_io_done`` runs on the
-I/O pool's threads, and it only calls ``on_io_done``.
+I/O pool's threads: it queues the move for ``reap`` and calls ``on_io_done``.
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ class Mover:
         self._high_watermark = high_watermark
         self._low_watermark = low_watermark
         self._in_flight: dict[BlockEntry, Move] = {}
+        self._ended: collections.deque[Move] = collections.deque()  # moves whose I/O ended, queued by the I/O threads
         # called from an I/O thread when a move's transfer ends; an owner that does not
         # wait for every move itself (the daemon) uses it to schedule ``reap``
         self.on_io_done: Callable[[], None] | None = None
@@ -116,11 +117,12 @@ class Mover:
         future = self._transfer(entry.tier, entry.slot, dst, dst_slot, block_meta(entry))
         move = Move(entry, entry.tier, entry.slot, dst, dst_slot, future)
         self._in_flight[entry] = move
-        if self.on_io_done is not None and not future.done():
-            future.add_done_callback(self._io_done)
+        if not future.done():
+            future.add_done_callback(lambda _, move=move: self._io_done(move))
         return move
 
-    def _io_done(self, _: Future) -> None:
+    def _io_done(self, move: Move) -> None:  # on an I/O thread
+        self._ended.append(move)  # deque appends are atomic; the owner pops them in reap
         callback = self.on_io_done
         if callback is not None:
             callback()
@@ -134,11 +136,16 @@ class Mover:
             self.finish(move)
 
     def reap(self) -> int:
-        """Finish every move whose transfer has ended; returns how many."""
-        done = [move for move in self._in_flight.values() if move.future.done()]
-        for move in done:
-            self.finish(move)
-        return len(done)
+        """Finish every move whose transfer has ended and nobody finished yet; returns how
+        many. It costs what has ended, not what is in flight."""
+        reaped = 0
+        ended = self._ended
+        while ended:
+            move = ended.popleft()
+            if not move.finished:
+                self.finish(move)
+                reaped += 1
+        return reaped
 
     def finish(self, move: Move) -> bool:
         """Apply the outcome of a move whose transfer has ended (once; later calls return

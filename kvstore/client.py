@@ -177,7 +177,6 @@ class _Core:
 
     def __init__(self, verify_loads: bool | None) -> None:
         self.slab: SharedSlab | None = None
-        self.old_slabs: list[SharedSlab] = []
         self.node_id = ""
         self.generation = 0
         self.namespaces: dict[bytes, Namespace] = {}
@@ -197,7 +196,7 @@ class _Core:
         """What a new connection says first: the handshake, then every namespace again."""
         slab_path, node_id, _version, verifies = yield _Request(Op.HELLO, (PROTOCOL_VERSION,))
         if self.slab is not None:
-            self.old_slabs.append(self.slab)  # views into it may still be held; it unmaps when they go
+            self.slab.close()  # the old daemon's: views into it still held keep it mapped until they go
         self.slab = SharedSlab.attach(slab_path)
         self.node_id, self.daemon_verifies = node_id, bool(verifies)
         self.generation += 1
@@ -390,10 +389,9 @@ class _Core:
         return [self.slab.view(Slot(offset, nbytes), nbytes) for offset in offsets]
 
     def close(self) -> None:
-        for slab in [self.slab, *self.old_slabs]:
-            if slab is not None:
-                slab.close()
-        self.slab, self.old_slabs = None, []
+        if self.slab is not None:
+            self.slab.close()
+            self.slab = None
 
 
 # -- copies ---------------------------------------------------------------------------------------

@@ -66,8 +66,6 @@ class NodeStats:
     num_reservations: int
     num_sessions: int
     counters: dict[str, int]
-    num_orphaned_sessions: int = 0  # connections gone, processes alive: their slots stay theirs
-    quarantined_slots: int = 0  # expired reservations' slots, kept for writers that may still write
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,9 +265,14 @@ class Node:
             num_leases=manager.num_leases,
             num_reservations=manager.num_reservations,
             num_sessions=len(self._sessions),
-            counters={**manager.counters, **self.lookup_counts},
-            num_orphaned_sessions=len(self._orphans),
-            quarantined_slots=manager.quarantined_slots,
+            counters={
+                **manager.counters,
+                **self.lookup_counts,
+                # what is held for owners that may still touch it (DESIGN decision 12)
+                "sessions_orphaned": len(self._orphans),  # connections gone, processes alive
+                "slots_quarantined": manager.quarantined_slots,  # expired reservations', kept for their writers
+                "moves_in_flight": manager.num_moves_in_flight,
+            },
         )
 
     def list_blocks(

@@ -9,6 +9,7 @@ on the disk, and bad input gets a clear error without leaking capacity.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -283,6 +284,32 @@ def test_a_call_that_timed_out_poisons_nothing(start):
     assert load_intact(client, digest, chain(11, 3)) == (3, True)
     assert eventually(lambda: stats(daemon).num_leases == 0)  # the late lease was given back
     client.close()
+
+
+def test_the_async_client_matches_answers_too(start):
+    from kvstore.client import AsyncKVStoreClient
+
+    daemon = start()
+    with KVStoreClient(daemon.socket) as setup:
+        digest = setup.register_namespace(NAMESPACE)
+        assert save(setup, digest, chain(21, 5)) == 5 and save(setup, digest, chain(22, 3)) == 3
+
+    async def main() -> None:
+        client = await AsyncKVStoreClient.connect(daemon.socket, timeout_s=0.5)
+        await client.register_namespace(NAMESPACE)
+        daemon.process.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(DaemonUnavailable):
+                await client.acquire(digest, chain(21, 5))  # granted after the client gave up
+        finally:
+            daemon.process.send_signal(signal.SIGCONT)
+        # pipelined calls each get their own answer, the late one given back meanwhile
+        first, second = await asyncio.gather(client.lookup(digest, chain(22, 5)), client.lookup(digest, chain(21, 5)))
+        assert (first.num_blocks, second.num_blocks) == (3, 5)
+        await client.close()
+
+    asyncio.run(main())
+    assert eventually(lambda: stats(daemon).num_leases == 0)
 
 
 # -- 5. a read failure is the source's fault ---------------------------------------------------

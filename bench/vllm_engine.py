@@ -269,9 +269,11 @@ class ApiServer:
                 raise EngineFailed(f"the API server did not come up; log {self.log}:\n{self.log.read_text()[-6000:]}")
             time.sleep(0.5)
 
-    def complete(self, prompt: list[int], max_tokens: int = 16, timeout_s: float = 120) -> tuple[int, dict]:
-        """(HTTP status, JSON body) of a greedy /v1/completions request for token ids."""
-        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}).encode()
+    def complete(self, prompt: list[int], max_tokens: int = 16, timeout_s: float = 120, **fields) -> tuple[int, dict]:
+        """(HTTP status, JSON body) of a greedy /v1/completions request for token ids, with
+        any other request ``fields`` (``cache_salt``, …)."""
+        request_body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **fields}
+        body = json.dumps(request_body).encode()
         request = urllib.request.Request(f"{self.url}/v1/completions", body, {"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as response:

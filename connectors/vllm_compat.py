@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -148,7 +149,6 @@ class ScheduledRequest:
     num_scheduled_tokens: int
     block_ids: list[int] | None  # new requests: all; running ones: appended blocks
     replaces_block_ids: bool  # new or resumed: ``block_ids`` is the whole table
-    prompt_token_ids: list[int] | None  # new requests only
 
 
 def first_group_block_ids(block_ids: Any) -> list[int]:
@@ -165,7 +165,6 @@ def scheduled_requests(output: SchedulerOutput) -> list[ScheduledRequest]:
             steps[new.req_id],
             first_group_block_ids(new.block_ids),
             True,
-            list(new.prompt_token_ids or ()),
         )
         for new in output.scheduled_new_reqs
     ]
@@ -179,7 +178,6 @@ def scheduled_requests(output: SchedulerOutput) -> list[ScheduledRequest]:
                 steps[req_id],
                 None if new_ids is None else first_group_block_ids(new_ids),
                 req_id in cached.resumed_req_ids,
-                None,
             )
         )
     return requests
@@ -187,6 +185,28 @@ def scheduled_requests(output: SchedulerOutput) -> list[ScheduledRequest]:
 
 def prompt_token_ids(request: Any) -> list[int]:
     return list(request.prompt_token_ids or ())
+
+
+def block_extra_keys(request: Any, block_size: int) -> list[bytes | None] | None:
+    """What besides its tokens each full prompt block's KV depends on, as vLLM's own prefix
+    hashing names it (``generate_block_hash_extra_keys``): the request's ``cache_salt`` (on
+    the first block, and through the chain every block after it), its LoRA adapter (name
+    and path), the multimodal inputs in the block (their identifier and offset) and its
+    prompt embeddings' digest. One canonical byte string per block (msgpack), None for a
+    block with none; None when no block has any. Keys that cannot be encoded raise
+    InvalidArgument: such a request is not cached rather than keyed by its tokens alone."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    num_blocks = len(request.prompt_token_ids or ()) // block_size
+    keys: list[bytes | None] = []
+    mm_index = 0
+    for index in range(num_blocks):
+        extra, mm_index = generate_block_hash_extra_keys(request, index * block_size, (index + 1) * block_size, mm_index)
+        try:
+            keys.append(None if extra is None else msgpack.packb(extra, use_bin_type=True))
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"block {index}'s extra hash keys {extra!r:.80} cannot be encoded ({exc}).") from exc
+    return keys if any(key is not None for key in keys) else None
 
 
 def transfer_params(request: Any) -> dict | None:

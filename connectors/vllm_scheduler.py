@@ -33,6 +33,7 @@ from kvstore.client import KVStoreClient
 from kvstore.connectors.vllm_compat import (
     EngineGeometry,
     ScheduledRequest,
+    block_extra_keys,
     connector_logger,
     first_group_block_ids,
     log_failure,
@@ -50,7 +51,7 @@ from kvstore.connectors.vllm_meta import (
     SaveSpec,
     namespace_for,
 )
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.hashing import BlockHash, chain_hashes
 from kvstore.tier_kind import TierKind
 
@@ -80,6 +81,7 @@ class _Request:
     params: dict | None = None  # the request's kv_transfer_params
     handoff: HandoffSpec | None = None  # PD producer: the handoff opened for it
     handoff_tried: bool = False  # PD consumer: once only; a retry (failure, preemption) uses the store
+    keyed: bool = True  # False: its extra hash keys could not be encoded, so kvstore neither loads nor saves it
 
 
 class SchedulerSide:
@@ -104,7 +106,9 @@ class SchedulerSide:
         Whole blocks — except that vLLM must compute at least one token, so a hit
         covering the whole prompt stops one token short (the last block is still loaded
         whole; the recomputed token's KV lands in its own slot)."""
-        state = self._state(request.request_id, prompt_token_ids(request), transfer_params(request))
+        state = self._state(request)
+        if not state.keyed:
+            return 0, False
         first = num_computed_tokens // self._block_size
         num_full = len(state.prompt) // self._block_size
         state.first_hit_block = first
@@ -181,11 +185,20 @@ class SchedulerSide:
         self._client.close()
 
     # -- helpers ---------------------------------------------------------------------------
-    def _state(self, req_id: str, prompt: list[int], params: dict | None) -> _Request:
-        state = self._requests.get(req_id)
+    def _state(self, request: Any) -> _Request:
+        """The request's state, its block keys covering its tokens and everything else that
+        changes their KV (cache salt, LoRA adapter, multimodal inputs: vllm_compat.block_extra_keys)."""
+        state = self._requests.get(request.request_id)
         if state is None:
-            state = _Request(prompt, chain_hashes(prompt, self._block_size), [], params=params)
-            self._requests[req_id] = state
+            prompt = prompt_token_ids(request)
+            try:
+                extra_keys, keyed = block_extra_keys(request, self._block_size), True
+            except InvalidArgument as exc:
+                logger.warning("kvstore: request %s is not cached: %s", request.request_id, exc)
+                extra_keys, keyed = None, False
+            hashes = chain_hashes(prompt, self._block_size, extra_keys=extra_keys) if keyed else []
+            state = _Request(prompt, hashes, [], params=transfer_params(request), keyed=keyed)
+            self._requests[request.request_id] = state
         return state
 
     def _receives_handoff(self, state: _Request) -> bool:
@@ -214,13 +227,12 @@ class SchedulerSide:
         return tuple(max(tiers, key=lambda tier: tier.rank) for tiers in zip(*per_rank))
 
     def _track(self, scheduled: ScheduledRequest) -> _Request | None:
-        """The request's state with this step's block table applied."""
-        if scheduled.prompt_token_ids is not None:
-            state = self._state(scheduled.req_id, scheduled.prompt_token_ids, None)
-        else:
-            state = self._requests.get(scheduled.req_id)
-            if state is None:
-                return None
+        """The request's state with this step's block table applied. A request the lookup
+        never saw has no keys (they need the request itself: its salt, adapter, inputs),
+        so it is neither loaded nor saved."""
+        state = self._requests.get(scheduled.req_id)
+        if state is None or not state.keyed:
+            return None
         if scheduled.block_ids is not None:
             if scheduled.replaces_block_ids:
                 state.block_ids = list(scheduled.block_ids)

@@ -8,7 +8,18 @@ of block ``i`` covers the whole prefix up to and including it::
     h[i]  = XXH3-128(CHAIN_SEED ‖ h[i-1] ‖ uint32-LE(tokens of block i))
 
 ``CHAIN_SEED`` is the fixed 16-byte string ``b"kvstore/chain/v1"``; the digest is
-XXH3-128's canonical (big-endian) 16-byte form. Nothing here depends on Python's
+XXH3-128's canonical (big-endian) 16-byte form.
+
+A block whose KV depends on more than its tokens — the request's cache salt (a tenant's
+isolation), a LoRA adapter, a multimodal input or prompt embeddings inside it — carries
+those *extra keys*, one canonical byte string per block as the engine's own prefix
+hashing names them (connectors/vllm_compat.py), and is hashed under its own seed::
+
+    h[i]  = XXH3-128(EXTRA_SEED ‖ h[i-1] ‖ uint32-LE(tokens of block i) ‖ XXH3-128(extra keys of block i))
+
+so it can equal neither a block without extra keys nor one with other extra keys, and
+through the chain every block after it differs too (a salt named on the first block
+alone isolates the whole prompt). Nothing here depends on Python's
 ``hash()``, ``PYTHONHASHSEED`` or the process, so two engines on two hosts that see the
 same tokens derive the same keys. Changing the seed or the encoding is a format change:
 bump the version in the seed.
@@ -27,6 +38,7 @@ from kvstore.errors import InvalidArgument
 __all__ = [
     "BlockHash",
     "CHAIN_SEED",
+    "EXTRA_SEED",
     "ROOT_PARENT",
     "HASH_BYTES",
     "hash_block",
@@ -39,6 +51,7 @@ BlockHash = NewType("BlockHash", bytes)
 
 HASH_BYTES = 16
 CHAIN_SEED = b"kvstore/chain/v1"
+EXTRA_SEED = b"kvstore/chainx/1"
 ROOT_PARENT = BlockHash(bytes(HASH_BYTES))
 
 _MAX_TOKEN_ID = 2**32 - 1
@@ -77,11 +90,13 @@ def chain_hashes(
     token_ids: Sequence[int] | np.ndarray,
     block_size: int,
     parent: BlockHash | None = None,
+    extra_keys: Sequence[bytes | None] | None = None,
 ) -> list[BlockHash]:
     """Hashes of every full block of ``token_ids``, chained from ``parent``.
 
     Passing the last hash of an earlier call as ``parent`` continues that chain, so a
-    growing prompt can be hashed incrementally.
+    growing prompt can be hashed incrementally. ``extra_keys[i]``, where given and not
+    None, is what besides its tokens block ``i`` depends on (see the module's docstring).
     """
     encoded = _token_bytes(token_ids)
     num_blocks = num_full_blocks(len(encoded) // 4, block_size)
@@ -90,10 +105,16 @@ def chain_hashes(
     previous = ROOT_PARENT if parent is None else parent
     if len(previous) != HASH_BYTES:
         raise InvalidArgument(f"a parent hash is {HASH_BYTES} bytes, got {len(previous)}.")
+    if extra_keys is not None and len(extra_keys) < num_blocks:
+        raise InvalidArgument(f"{len(extra_keys)} blocks' extra keys were given for {num_blocks} full blocks.")
     hashes: list[BlockHash] = []
     digest = xxhash.xxh3_128_digest
     for i in range(num_blocks):
-        previous = digest(b"".join((CHAIN_SEED, previous, view[i * stride : (i + 1) * stride])))
+        extra = None if extra_keys is None else extra_keys[i]
+        if extra is None:
+            previous = digest(b"".join((CHAIN_SEED, previous, view[i * stride : (i + 1) * stride])))
+        else:
+            previous = digest(b"".join((EXTRA_SEED, previous, view[i * stride : (i + 1) * stride], digest(extra))))
         hashes.append(BlockHash(previous))
     return hashes
 

@@ -7,7 +7,7 @@ import pytest
 import xxhash
 
 from kvstore.errors import InvalidArgument
-from kvstore.hashing import CHAIN_SEED, ROOT_PARENT, chain_hashes, hash_block, parse_block_hash
+from kvstore.hashing import CHAIN_SEED, EXTRA_SEED, ROOT_PARENT, chain_hashes, hash_block, parse_block_hash
 
 
 def test_chain_matches_the_documented_formula():
@@ -69,3 +69,20 @@ def test_hashes_are_identical_across_processes_with_different_hash_seeds():
         outputs.append(result.stdout.strip())
     assert outputs[0] == outputs[1]
     assert len(outputs[0].split(",")) == 62
+
+
+def test_extra_keys_follow_the_documented_formula_and_isolate_the_rest_of_the_chain():
+    tokens = list(range(64))
+    plain = chain_hashes(tokens, 16)
+    salted = chain_hashes(tokens, 16, extra_keys=[b"salt:tenant-a", None, None, None])
+    first = xxhash.xxh3_128_digest(
+        EXTRA_SEED + ROOT_PARENT + np.arange(16, dtype="<u4").tobytes() + xxhash.xxh3_128_digest(b"salt:tenant-a")
+    )
+    assert salted[0] == first
+    assert salted[1] == hash_block(salted[0], tokens[16:32])  # plain blocks after it, chained from it
+    assert not set(plain) & set(salted)  # every block of the prompt differs, not only the first
+    other = chain_hashes(tokens, 16, extra_keys=[b"salt:tenant-b", None, None, None])
+    assert not set(other) & set(salted)
+    assert chain_hashes(tokens, 16, extra_keys=[None] * 4) == plain  # no extra keys: the plain chain
+    with pytest.raises(InvalidArgument):
+        chain_hashes(tokens, 16, extra_keys=[None])

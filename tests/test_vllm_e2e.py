@@ -243,13 +243,37 @@ def test_a_prefill_instance_hands_the_kv_to_a_decode_instance_layer_by_layer(sto
             assert client.lookup(digest, chain_hashes(U, BLOCK)).num_blocks == PROMPT_TOKENS // BLOCK
 
 
-def test_a_daemon_restart_under_a_serving_vllm_fails_no_request_and_hits_resume(store):
-    daemon = store.start_daemon()
+def _api_server(store, daemon, name: str) -> ApiServer:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     plan = {"model": str(store.model), "block_size": BLOCK, "max_model_len": 4096, "connector": store.connector(daemon)}
-    server = ApiServer(plan, store.workdir, "api-server-restart", port)
+    return ApiServer(plan, store.workdir, name, port)
+
+
+def test_a_cache_salt_keeps_tenants_apart_through_the_openai_api(store):
+    server = _api_server(store, store.start_daemon(), "api-server-salt")
+    prompt = random_prompt(31)
+    try:
+
+        def cached(**fields) -> tuple[int, str]:
+            status, body = server.complete(prompt, **fields)
+            assert status == 200, body
+            return server.cached_tokens(body), body["choices"][0]["text"]
+
+        first, answer = cached(cache_salt="tenant-a")  # computed, and saved under tenant A's keys
+        assert first == 0
+        assert cached(cache_salt="tenant-a") == (FULL_HIT, answer)  # prefix caching is off: from kvstore
+        assert cached(cache_salt="tenant-b") == (0, answer)  # the same prompt, another tenant: never A's blocks
+        assert cached()[0] == 0  # nor an unsalted request's
+        assert cached(cache_salt="tenant-b") == (FULL_HIT, answer)  # B's own, saved by its first request
+    finally:
+        server.kill()
+
+
+def test_a_daemon_restart_under_a_serving_vllm_fails_no_request_and_hits_resume(store):
+    daemon = store.start_daemon()
+    server = _api_server(store, daemon, "api-server-restart")
     try:
         status, body = server.complete(P)
         assert status == 200, body

@@ -100,7 +100,10 @@ class WorkerSide:
         self._layer_of = {name: index for index, (name, _) in enumerate(ordered)}
         self._caches = [cache for _, cache in ordered]
         namespace = namespace_for(self._geometry, worker_tp_rank(), self._settings.tenant_salt)
-        self._client = KVStoreClient(self._settings.socket_path, timeout_s=self._settings.daemon_timeout_s, require_daemon=False)
+        on_gpu = any(cache.is_cuda for cache in self._caches)  # then this process pins its own mapping of the slab
+        self._client = KVStoreClient(
+            self._settings.socket_path, timeout_s=self._settings.daemon_timeout_s, require_daemon=False, pin_for_gpu=on_gpu
+        )
         self._digest = self._client.ensure_namespace(namespace)
         geometry = self._geometry
         orders = [

@@ -63,6 +63,7 @@ from kvstore.localproto import HEADER, MAX_REPLY_BYTES, OP_NAMES, PROTOCOL_VERSI
 from kvstore.namespace import Namespace
 from kvstore.paths import default_socket_path
 from kvstore.tier_kind import TierKind
+from kvstore.tiers import device
 from kvstore.tiers.base import byte_view
 from kvstore.tiers.host import SharedSlab
 from kvstore.tiers.slab import Slot
@@ -175,8 +176,10 @@ class _Core:
     """The calls, as generators of requests; the state both faces share: the mapped slab,
     the namespaces, the handles still out, and the connection generation they belong to."""
 
-    def __init__(self, verify_loads: bool | None) -> None:
+    def __init__(self, verify_loads: bool | None, pin_for_gpu: bool = False) -> None:
         self.slab: SharedSlab | None = None
+        self.pin_for_gpu = pin_for_gpu  # page-lock this process's mapping of the slab (tiers/device.py)
+        self.pinned = False
         self.node_id = ""
         self.generation = 0
         self.namespaces: dict[bytes, Namespace] = {}
@@ -195,9 +198,10 @@ class _Core:
     def hello(self) -> Call:
         """What a new connection says first: the handshake, then every namespace again."""
         slab_path, node_id, _version, verifies = yield _Request(Op.HELLO, (PROTOCOL_VERSION,))
-        if self.slab is not None:
-            self.slab.close()  # the old daemon's: views into it still held keep it mapped until they go
+        self._unmap()  # the old daemon's slab: views into it still held keep it mapped until they go
         self.slab = SharedSlab.attach(slab_path)
+        if self.pin_for_gpu:
+            self.pinned = device.pin_host_memory(self.slab.tensor)
         self.node_id, self.daemon_verifies = node_id, bool(verifies)
         self.generation += 1
         self.outstanding_leases.clear()
@@ -389,9 +393,16 @@ class _Core:
         return [self.slab.view(Slot(offset, nbytes), nbytes) for offset in offsets]
 
     def close(self) -> None:
-        if self.slab is not None:
-            self.slab.close()
-            self.slab = None
+        self._unmap()
+
+    def _unmap(self) -> None:
+        if self.slab is None:
+            return
+        if self.pinned:
+            device.unpin_host_memory(self.slab.tensor)
+            self.pinned = False
+        self.slab.close()
+        self.slab = None
 
 
 # -- copies ---------------------------------------------------------------------------------------
@@ -627,13 +638,16 @@ class KVStoreClient:
         timeout_s: float = 30.0,
         verify_loads: bool | None = None,
         require_daemon: bool = True,
+        pin_for_gpu: bool = False,
     ) -> None:
         """``verify_loads``: check every loaded block against its writer's checksum (None:
         as the daemon is configured, ``server.verify_loads``). ``require_daemon`` False: a
-        daemon that is not up yet is not an error here; calls are misses until it is."""
+        daemon that is not up yet is not an error here; calls are misses until it is.
+        ``pin_for_gpu``: page-lock this process's mapping of the slab, for an engine that
+        copies between it and a GPU (a no-op without CUDA)."""
         self._path = str(socket_path or default_socket_path())
         self._timeout_s = timeout_s
-        self._core = _Core(verify_loads)
+        self._core = _Core(verify_loads, pin_for_gpu)
         self._lock = threading.RLock()
         self._connection: _Connection | None = None
         self._backoff_s = 0.0

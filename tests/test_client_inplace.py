@@ -81,7 +81,8 @@ def test_a_lease_reads_the_stored_prefix_in_place_until_released(daemon):
 
 @pytest.mark.gpu
 def test_blocks_saved_from_and_loaded_into_gpu_memory_are_copied_before_their_slots_go_back(daemon):
-    with KVStoreClient(daemon.socket) as client:
+    with KVStoreClient(daemon.socket, pin_for_gpu=True) as client:  # the engine pins its own mapping
+        assert client._core.pinned
         digest = client.register_namespace(NAMESPACE)
         on_gpu = [block(i).cuda() for i in range(len(HASHES))]
         assert client.save(digest, HASHES, on_gpu) == len(HASHES)  # checksummed in the slab, after the copy

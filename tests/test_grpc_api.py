@@ -71,9 +71,7 @@ class Api:
 
 @contextlib.asynccontextmanager
 async def serving(host_bytes: int = 1024 * KiB, token: str = ""):
-    host = HostTier(
-        HostTierConfig(capacity_bytes=host_bytes, name=f"kvstore-test-{uuid.uuid4().hex[:8]}", page_bytes=64 * KiB, pin_memory=False)
-    )
+    host = HostTier(HostTierConfig(capacity_bytes=host_bytes, name=f"kvstore-test-{uuid.uuid4().hex[:8]}", page_bytes=64 * KiB))
     manager = TierManager(TierManagerConfig(), [host])
     node = Node(NODE_ID, manager, Metrics(), LIMITS)
     config = ServerConfig(grpc_host="127.0.0.1", grpc_port=0, metrics_port=-1, auth_token=token, node_id=NODE_ID)

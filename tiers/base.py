@@ -5,8 +5,7 @@ it hands out slots, moves bytes in and out of them, and reports how full it is.
 
     Tier
     ├── MemoryTier (tiers/memory.py)   slots over a byte tensor; `view()` is zero-copy
-    │   ├── HostTier (tiers/host.py)    a shared-memory file other processes map by name
-    │   └── HbmTier  (tiers/hbm.py)     a CUDA tensor (a CPU tensor in tests)
+    │   └── HostTier (tiers/host.py)    a shared-memory file other processes map by name
     ├── NvmeTier  (tiers/nvme.py)       preallocated slot files with verified headers
     └── VirtualTier (tiers/memory.py)   capacity accounting only, for the routing simulator
 """

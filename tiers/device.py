@@ -1,32 +1,24 @@
 """The few CUDA calls kvstore makes, behind one small module.
 
 Everything else in kvstore works on tensors and never asks which device it runs on.
-Where CUDA is absent (CI, CPU-only hosts) these functions report so instead of failing,
-and the tiers that need a GPU refuse to start with a sentence that says why.
+Where CUDA is absent (CI, CPU-only hosts) these functions report so instead of failing.
+
+Who pins what: page-locking (``cudaHostRegister``) pins a process's *mapping* for that
+process's CUDA context, so the host slab is pinned by each engine process that copies
+between it and a GPU (the client does it on attach when asked, kvstore/client.py), and
+never by the daemon: the daemon does no GPU copies, and a CUDA context of its own would
+take GPU memory on the engines' device for nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvstore.errors import TierUnavailable
-
-__all__ = ["cuda_available", "allocate_device_buffer", "pin_host_memory", "unpin_host_memory"]
+__all__ = ["cuda_available", "pin_host_memory", "unpin_host_memory"]
 
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
-
-
-def allocate_device_buffer(nbytes: int, device: str) -> torch.Tensor:
-    """A flat uint8 buffer of ``nbytes`` on ``device`` ("cuda:N", or "cpu" in tests)."""
-    target = torch.device(device)
-    if target.type == "cuda" and not cuda_available():
-        raise TierUnavailable(f"the HBM tier asks for {device} but this host has no usable CUDA device.")
-    try:
-        return torch.empty(nbytes, dtype=torch.uint8, device=target)
-    except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
-        raise TierUnavailable(f"could not allocate {nbytes} bytes on {device}: {exc}; lower the HBM tier capacity.") from exc
 
 
 def pin_host_memory(buffer: torch.Tensor) -> bool:

@@ -4,8 +4,9 @@ The daemon creates ``<directory>/<name>`` (``/dev/shm`` by default), reserves it
 with ``posix_fallocate`` (so a full tmpfs is a clear error at start, never a SIGBUS on
 first touch) and maps it; an engine process maps the same file with
 ``SharedSlab.attach(path)`` and reads or writes slots as torch tensor views — the data
-path between engine and daemon is a memcpy, never a socket. Where CUDA is present the
-mapping is page-locked (cudaHostRegister) so GPU↔host copies run at DMA speed.
+path between engine and daemon is a memcpy, never a socket. An engine that copies
+between the slab and a GPU page-locks its own mapping (tiers/device.py says why the
+daemon does not).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch
 
 from kvstore.errors import InvalidArgument, TierUnavailable
 from kvstore.tier_kind import TierKind
-from kvstore.tiers import device
 from kvstore.tiers.memory import DEFAULT_PAGE_BYTES, MemoryTier
 from kvstore.tiers.slab import Slot
 
@@ -34,7 +34,6 @@ class HostTierConfig:
     name: str = "kvstore-host"
     directory: Path = Path("/dev/shm")
     page_bytes: int = DEFAULT_PAGE_BYTES
-    pin_memory: bool = True
     # reuse a segment left behind by a daemon that crashed instead of refusing to start
     reclaim_stale: bool = False
 
@@ -154,16 +153,12 @@ class HostTier(MemoryTier):
         self.config = config
         self.shared = SharedSlab.create(config.path, config.capacity_bytes, config.reclaim_stale)
         super().__init__(TierKind.HOST, self.shared.tensor, config.page_bytes)
-        self.pinned = config.pin_memory and device.pin_host_memory(self.shared.tensor)
 
     @property
     def path(self) -> Path:
         return self.shared.path
 
     def close(self) -> None:
-        if self.pinned:
-            device.unpin_host_memory(self.shared.tensor)
-            self.pinned = False
         self._buffer = torch.empty(0, dtype=torch.uint8)
         self._cpu_base = None
         self.shared.close()

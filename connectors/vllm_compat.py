@@ -83,6 +83,10 @@ class EngineGeometry:
     dtype: str
     tp_size: int
     pp_size: int
+    # 2: K and V; 1: MLA, one latent plane per token (kv_lora_rank + qk_rope_head_dim), the
+    # same on every tensor-parallel rank
+    kv_planes: int = 2
+    kv_lora_rank: int = 0  # MLA: where the latent's rope part starts
 
 
 def engine_geometry(vllm_config: VllmConfig, model_id: str | None) -> EngineGeometry:
@@ -103,6 +107,8 @@ def engine_geometry(vllm_config: VllmConfig, model_id: str | None) -> EngineGeom
         dtype=str(model.dtype).removeprefix("torch."),
         tp_size=parallel.tensor_parallel_size,
         pp_size=parallel.pipeline_parallel_size,
+        kv_planes=1 if model.use_mla else 2,
+        kv_lora_rank=int(getattr(model.hf_text_config, "kv_lora_rank", 0) or 0) if model.use_mla else 0,
     )
 
 
@@ -118,26 +124,36 @@ def layer_index(layer_name: str) -> int:
 
 def check_kv_cache(name: str, cache: torch.Tensor, geometry: EngineGeometry) -> None:
     """Refuse a layer whose tensor is not block-major with one block's planes per row."""
-    block_elements = 2 * geometry.num_kv_heads * geometry.block_size * geometry.head_dim
+    block_elements = geometry.kv_planes * geometry.num_kv_heads * geometry.block_size * geometry.head_dim
+    what = "K and V" if geometry.kv_planes == 2 else "the MLA latent"
     if cache.dim() < 2 or cache[0].numel() != block_elements or not cache.is_contiguous():
         raise InvalidArgument(
             f"KV cache layer {name} has shape {tuple(cache.shape)}; the kvstore connector needs a contiguous, "
-            f"block-major cache holding {block_elements} elements (K and V) per block, as vLLM's CPU backend does."
+            f"block-major cache holding {block_elements} elements ({what}) per block, as vLLM's CPU backends do."
         )
     if str(cache.dtype).removeprefix("torch.") != geometry.dtype:
         raise InvalidArgument(f"KV cache layer {name} holds {cache.dtype}, but the model dtype is {geometry.dtype}.")
 
 
-def cache_writer(vllm_config: VllmConfig, layer_name: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+def cache_writer(vllm_config: VllmConfig, layer_name: str, geometry: EngineGeometry) -> Callable[..., None]:
     """The layer's own cache-write kernel, writing token slots 0… of a one-block cache
-    (what ``vllm_layout.BlockOrder.discover`` learns the block layout from)."""
+    (what ``vllm_layout.BlockOrder.discover`` learns the block layout from): from a key and
+    a value, or, for MLA, from the latent, split as the layer splits it (the normed
+    ``kv_c`` of ``kv_lora_rank`` elements, then the rope part ``k_pe``)."""
     layer = vllm_config.compilation_config.static_forward_context[layer_name]
 
     def write(key: torch.Tensor, value: torch.Tensor, scratch: torch.Tensor) -> None:
         slots = torch.arange(key.shape[0], dtype=torch.long)
         layer.impl.do_kv_cache_update(layer, key, value, scratch, slots)
 
-    return write
+    def write_latent(latent: torch.Tensor, scratch: torch.Tensor) -> None:
+        slots = torch.arange(latent.shape[0], dtype=torch.long)
+        rank = geometry.kv_lora_rank
+        kv_c, k_pe = latent[:, 0, :rank].contiguous(), latent[:, :, rank:].contiguous()
+        # the MLA kernels take the cache as (blocks, tokens, latent): its one "head" merged away
+        layer.impl.do_kv_cache_update(kv_c, k_pe, scratch.flatten(1, -2), slots, layer.kv_cache_dtype, layer._k_scale)
+
+    return write_latent if geometry.kv_planes == 1 else write
 
 
 @dataclass(frozen=True, slots=True)

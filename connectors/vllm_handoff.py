@@ -168,9 +168,15 @@ class HandoffSender:
 
 class HandoffReceiver:
     def __init__(
-        self, socket_path: str, namespace: Namespace, copier: LayerCopier, caches: Sequence[torch.Tensor], timeout_s: float
+        self,
+        socket_path: str,
+        namespace: Namespace,
+        copier: LayerCopier,
+        caches: Sequence[torch.Tensor],
+        timeout_s: float,
+        tp_rank: int,
     ) -> None:
-        self._tp_rank = namespace.tp_rank
+        self._tp_rank = tp_rank
         self._socket_path = socket_path
         self._namespace = namespace
         self._copier = copier

@@ -1,7 +1,8 @@
 """Where each K and V element of one engine block sits, learned from the engine itself.
 
 kvstore stores a layer of a block as ``HND`` planes — K then V, each ``num_kv_heads ×
-block_size × head_dim`` — whatever engine wrote it. vLLM's CPU backend keeps a layer
+block_size × head_dim``; or, for MLA, the one latent plane (``block_size × (kv_lora_rank +
+qk_rope_head_dim)``, one "head") — whatever engine wrote it. vLLM's CPU backend keeps a layer
 as ``(num_blocks, num_kv_heads, block_size, 2·head_size)``, but the element order inside
 a block depends on the attention kernel the CPU supports (the ``vec`` kernel stores K
 head_dim-major, transposed; the AMX kernel packs it for its tiles). Rather than
@@ -37,17 +38,19 @@ from kvstore.layout import KVLayout
 
 __all__ = ["BlockOrder", "CacheWriter", "LayerCopier", "BlockRun", "runs_of", "CopyThread", "CopyJob"]
 
-# writes keys and values (tokens × heads × dim each) into token slots 0… of a one-block scratch cache
-CacheWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+# writes one input per plane (tokens × heads × dim each: key and value, or MLA's latent) into
+# token slots 0… of a one-block scratch cache, the last argument
+CacheWriter = Callable[..., None]
 
 _DIGIT_BASE = 16  # digits 0…15 are exact in every float dtype, fp8 included
 
 
 class BlockOrder:
-    def __init__(self, gather: torch.Tensor, planes_shape: tuple[int, int, int]) -> None:
+    def __init__(self, gather: torch.Tensor, planes_shape: tuple[int, int, int], num_planes: int = 2) -> None:
         self.gather = gather  # store position → element position inside the engine block
         self._planes_shape = planes_shape  # (heads, tokens, dim)
-        self._strided = _affine_planes(gather, planes_shape)
+        self._num_planes = num_planes
+        self._strided = _affine_planes(gather, planes_shape, num_planes)
 
     @classmethod
     def discover(
@@ -59,39 +62,40 @@ class BlockOrder:
         block_size: int,
         head_dim: int,
         what: str,
+        num_planes: int = 2,
     ) -> BlockOrder:
         """Learn the order from ``write`` into blocks of ``block_shape``; ``what`` names
-        the layer in errors."""
-        count = 2 * num_kv_heads * block_size * head_dim
+        the layer in errors. ``num_planes``: 2 (K and V) or 1 (MLA's latent)."""
+        count = num_planes * num_kv_heads * block_size * head_dim
         block_elements = 1
         for size in block_shape:
             block_elements *= size
         if block_elements != count:
-            raise InvalidArgument(f"{what}: a block holds {block_elements} elements, not the {count} of its K and V planes.")
+            raise InvalidArgument(f"{what}: a block holds {block_elements} elements, not the {count} of its {num_planes} plane(s).")
         # the store position of every (plane, token, head, dim), in the order the writer takes its inputs
-        position = torch.arange(count).view(2, num_kv_heads, block_size, head_dim).transpose(1, 2)
+        position = torch.arange(count).view(num_planes, num_kv_heads, block_size, head_dim).transpose(1, 2)
         native_position = torch.zeros(count, dtype=torch.long)
         place = 1
         while place < count:
             digits = (position // place) % _DIGIT_BASE
             scratch = torch.full((1, *block_shape), -1.0, dtype=dtype)
-            write(digits[0].to(dtype).contiguous(), digits[1].to(dtype).contiguous(), scratch)
+            write(*(plane.to(dtype).contiguous() for plane in digits), scratch)
             written = scratch.view(-1).float()
             if bool((written < 0).any()) or bool((written >= _DIGIT_BASE).any()):
                 raise InvalidArgument(
-                    f"{what}: the engine's cache kernel does not store K and V as plain elements; "
+                    f"{what}: the engine's cache kernel does not store its KV as plain elements; "
                     "the kvstore connector cannot read this cache layout."
                 )
             native_position += written.long() * place
             place *= _DIGIT_BASE
         if not torch.equal(torch.bincount(native_position, minlength=count), torch.ones(count, dtype=torch.long)):
             raise InvalidArgument(
-                f"{what}: the engine's cache kernel does not store each K and V element once per block; "
+                f"{what}: the engine's cache kernel does not store each KV element once per block; "
                 "the kvstore connector cannot read this cache layout."
             )
         gather = torch.empty(count, dtype=torch.long)
         gather[native_position] = torch.arange(count)
-        return cls(gather, (num_kv_heads, block_size, head_dim))
+        return cls(gather, (num_kv_heads, block_size, head_dim), num_planes)
 
     def save(self, native: torch.Tensor, planes: torch.Tensor) -> None:
         """Copy engine blocks ``native`` (n × block, contiguous) into ``planes`` (n ×
@@ -100,7 +104,7 @@ class BlockOrder:
         if self._strided is None:
             planes.copy_(flat.index_select(1, self.gather))
             return
-        target = planes.view(planes.shape[0], 2, *self._planes_shape)
+        target = planes.view(planes.shape[0], self._num_planes, *self._planes_shape)
         for plane, view in enumerate(self._plane_views(flat)):
             target[:, plane].copy_(view)
 
@@ -109,7 +113,7 @@ class BlockOrder:
         if self._strided is None:
             flat.index_copy_(1, self.gather, planes)
             return
-        source = planes.view(planes.shape[0], 2, *self._planes_shape)
+        source = planes.view(planes.shape[0], self._num_planes, *self._planes_shape)
         for plane, view in enumerate(self._plane_views(flat)):
             view.copy_(source[:, plane])
 
@@ -166,10 +170,10 @@ class LayerCopier:
             self._orders[layer].save(cache[run.first_block : run.first_block + run.count], self._slot_rows(run, layer))
 
 
-def _affine_planes(gather: torch.Tensor, shape: tuple[int, int, int]) -> list[tuple[tuple[int, ...], int]] | None:
+def _affine_planes(gather: torch.Tensor, shape: tuple[int, int, int], num_planes: int) -> list[tuple[tuple[int, ...], int]] | None:
     """Per plane, (strides, offset) of a view of the engine block that is that plane, or
     None when some plane's elements are not an affine image of (head, token, dim)."""
-    planes = gather.view(2, *shape)
+    planes = gather.view(num_planes, *shape)
     found = []
     for plane in planes:
         offset = int(plane[0, 0, 0])

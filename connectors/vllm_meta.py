@@ -79,15 +79,19 @@ class ConnectorSettings:
 
 
 def namespace_for(geometry: EngineGeometry, tp_rank: int, tenant_salt: str) -> Namespace:
+    """The namespace of one tensor-parallel rank's blocks. MLA's latent KV is the same on
+    every rank, so its namespace names no rank: one rank writes it, every rank reads it."""
     layout = KVLayout(
         num_layers=geometry.num_layers,
         num_kv_heads=geometry.num_kv_heads,
         head_dim=geometry.head_dim,
         block_size=geometry.block_size,
         dtype=geometry.dtype,
-        kv_planes=2,
+        kv_planes=geometry.kv_planes,
         inner_order=STORE_INNER_ORDER,
     )
+    if geometry.kv_planes == 1:
+        return Namespace(geometry.model_id, layout, 0, 1, 0, geometry.pp_size, tenant_salt)
     return Namespace(geometry.model_id, layout, tp_rank, geometry.tp_size, 0, geometry.pp_size, tenant_salt)
 
 

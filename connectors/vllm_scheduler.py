@@ -91,9 +91,12 @@ class SchedulerSide:
         self._role = role
         # the engine starts and serves whether or not the daemon is up: a daemon that is away is misses
         self._client = KVStoreClient(settings.socket_path, timeout_s=settings.daemon_timeout_s, require_daemon=False)
-        self._digests = [
-            self._client.ensure_namespace(namespace_for(geometry, rank, settings.tenant_salt)) for rank in range(geometry.tp_size)
-        ]
+        # one namespace per rank; MLA's ranks share one (the same latent KV on every rank)
+        self._digests = list(
+            dict.fromkeys(
+                self._client.ensure_namespace(namespace_for(geometry, rank, settings.tenant_salt)) for rank in range(geometry.tp_size)
+            )
+        )
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadSpec] = []
         self.counters = SchedulerCounters()

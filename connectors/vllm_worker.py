@@ -74,6 +74,7 @@ class WorkerSide:
         self._copier: LayerCopier | None = None
         self._block_bytes = 0
         self._copies = CopyThread("kvstore-copy")
+        self._saves_blocks = True  # False on the MLA ranks that only read (register decides)
         self._sender: HandoffSender | None = None  # PD producer
         self._receiver: HandoffReceiver | None = None  # PD consumer
         # this step's state, cleared by finish_step
@@ -99,7 +100,10 @@ class WorkerSide:
             check_kv_cache(name, cache, self._geometry)
         self._layer_of = {name: index for index, (name, _) in enumerate(ordered)}
         self._caches = [cache for _, cache in ordered]
-        namespace = namespace_for(self._geometry, worker_tp_rank(), self._settings.tenant_salt)
+        tp_rank = worker_tp_rank()
+        namespace = namespace_for(self._geometry, tp_rank, self._settings.tenant_salt)
+        # MLA: every rank holds the same latent KV; rank 0 saves it, every rank loads it
+        self._saves_blocks = self._geometry.kv_planes == 2 or tp_rank == 0
         on_gpu = any(cache.is_cuda for cache in self._caches)  # then this process pins its own mapping of the slab
         self._client = KVStoreClient(
             self._settings.socket_path, timeout_s=self._settings.daemon_timeout_s, require_daemon=False, pin_for_gpu=on_gpu
@@ -108,21 +112,22 @@ class WorkerSide:
         geometry = self._geometry
         orders = [
             BlockOrder.discover(
-                cache_writer(self._vllm_config, name),
+                cache_writer(self._vllm_config, name, geometry),
                 tuple(cache.shape[1:]),
                 cache.dtype,
                 geometry.num_kv_heads,
                 geometry.block_size,
                 geometry.head_dim,
                 f"KV cache layer {name}",
+                geometry.kv_planes,
             )
             for name, cache in ordered
         ]
         self._copier = LayerCopier(namespace.layout, self._caches[0].dtype, orders)
         self._block_bytes = namespace.layout.block_bytes
         timeout = self._settings.handoff_timeout_s
-        self._sender = HandoffSender(self._client, self._digest, self._copier, self._copies, timeout, namespace.tp_rank)
-        self._receiver = HandoffReceiver(self._settings.socket_path, namespace, self._copier, self._caches, timeout)
+        self._sender = HandoffSender(self._client, self._digest, self._copier, self._copies, timeout, tp_rank)
+        self._receiver = HandoffReceiver(self._settings.socket_path, namespace, self._copier, self._caches, timeout, tp_rank)
         logger.info("kvstore: worker registered %d layers, namespace %s, daemon node %s", len(ordered), namespace.id, self._client.node_id)
 
     # -- loading ---------------------------------------------------------------------------
@@ -171,7 +176,7 @@ class WorkerSide:
         layer = self._layer_of[layer_name]
         if metadata.handoffs:
             self._sender.layer_written(metadata.handoffs, self._caches[layer], layer)
-        if not metadata.saves:
+        if not metadata.saves or not self._saves_blocks:
             return
         if self._saves is None:
             self._saves = [(spec, pending) for spec in metadata.saves if (pending := self._reserve(spec)) is not None]

@@ -8,7 +8,7 @@ process (so nothing but kvstore can carry KV from one to the next), started with
 connector the plan names, serving the plan's requests one after another. The plan::
 
     {"model": DIR, "block_size": 32, "max_model_len": 8192, "prefix_caching": false,
-     "custom_ops": null | ["all", "-rotary_embedding"], "tensor_parallel_size": 1,
+     "custom_ops": null | ["all", "-rotary_embedding"], "tensor_parallel_size": 1, "env": {...},
      "connector": null | {"name": "KVStoreConnector" | "ExampleConnector",
                           "module": "kvstore.connectors.vllm" | null, "role": "kv_both",
                           "extra": {...}},
@@ -310,6 +310,7 @@ def main() -> None:
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
     plan = json.loads(Path(sys.argv[1]).read_text())
+    os.environ.update(plan.get("env", {}))  # e.g. VLLM_CPU_OMP_THREADS_BIND for tensor parallelism
     if sys.argv[2] == "--serve":
         with os.fdopen(int(os.environ["KVSTORE_ANSWER_FD"]), "w") as answers:
             serve_lines(plan, sys.stdin, answers)

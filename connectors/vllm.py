@@ -72,6 +72,17 @@ class KVStoreConnector(KVConnectorBase_V1):
                 "(evicted, or failed its checksum); set 'recompute' to recompute it instead",
                 transfer.kv_load_failure_policy,
             )
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        if len(groups) > 1:
+            raise InvalidArgument(
+                f"this model's KV cache has {len(groups)} groups (hybrid or sliding-window attention); the kvstore "
+                "connector stores one full-attention group and cannot serve it: run it without a KV connector."
+            )
+        if vllm_config.speculative_config is not None:
+            raise InvalidArgument(
+                "the kvstore connector does not store speculative decoding's draft layers (EAGLE, MTP, draft "
+                "models) yet; run without speculative decoding, or without the connector."
+            )
         settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         geometry = engine_geometry(vllm_config, settings.model_id or None)
         self._scheduler: SchedulerSide | None = None
@@ -80,6 +91,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(settings, geometry, transfer.kv_role)
         else:
             self._worker = WorkerSide(settings, geometry, vllm_config)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Always: loads and saves run layer by layer (``wait_for_layer_load``,
+        ``save_kv_layer``), which a full CUDA graph — vLLM's choice for uniform-decode
+        batches, which a whole-prompt hit becomes — would skip on replay."""
+        return True
 
     # -- scheduler side --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:

@@ -219,8 +219,8 @@ class SchedulerSide:
         self.counters.lookups += 1
         per_rank: list[tuple[TierKind, ...]] = []
         try:
-            for digest in self._digests:
-                tiers = self._client.lookup(digest, hashes).tiers
+            for found in self._client.lookup_shards(self._digests, hashes):  # every rank, one round trip
+                tiers = found.tiers
                 loadable = next((i for i, tier in enumerate(tiers) if tier not in _LOADABLE_TIERS), len(tiers))
                 per_rank.append(tiers[:loadable])
         except KVStoreError as exc:

@@ -226,6 +226,13 @@ class _Core:
         codes = yield _Request(Op.LOOKUP, (namespace, localproto.pack_hashes(hashes)))
         return LookupResult(tuple(map(TIERS_BY_CODE.__getitem__, codes)), self.block_size.get(namespace, 0))
 
+    def lookup_shards(self, namespaces: Sequence[bytes], hashes: Sequence[BlockHash]) -> Call:
+        replies = yield _Request(Op.LOOKUP_SHARDS, (b"".join(namespaces), localproto.pack_hashes(hashes)))
+        return [
+            LookupResult(tuple(map(TIERS_BY_CODE.__getitem__, codes)), self.block_size.get(namespace, 0))
+            for namespace, codes in zip(namespaces, replies)
+        ]
+
     def save(self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor], parent_hash: BlockHash | None) -> Call:
         views = self._checked_blocks(namespace, hashes, blocks)
         pending = yield from self.begin_save(namespace, hashes, parent_hash)
@@ -671,6 +678,11 @@ class KVStoreClient:
     def register_namespace(self, namespace: Namespace) -> bytes:
         """Register ``namespace`` with the daemon; it is registered again on every reconnect."""
         return self._run(self._core.register_namespace(namespace))
+
+    def lookup_shards(self, namespaces: Sequence[bytes], hashes: Sequence[BlockHash]) -> list[LookupResult]:
+        """``lookup`` of the same chain in several namespaces (the ranks of a tensor-parallel
+        engine), in one round trip."""
+        return self._run(self._core.lookup_shards(namespaces, hashes))
 
     def ensure_namespace(self, namespace: Namespace) -> bytes:
         """Register ``namespace`` now if the daemon is up, else once it is back; its digest

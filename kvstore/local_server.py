@@ -133,6 +133,7 @@ class LocalServerProtocol(asyncio.Protocol):
             Op.HELLO: self._hello,
             Op.REGISTER: self._register,
             Op.LOOKUP: self._lookup,
+            Op.LOOKUP_SHARDS: self._lookup_shards,
             Op.RESERVE: self._reserve,
             Op.COMMIT: self._commit,
             Op.ABORT: self._abort,
@@ -283,6 +284,9 @@ class LocalServerProtocol(asyncio.Protocol):
         tiers = self._node.lookup(digest, hashes)
         # keyed by the members' plain string values: hashing an Enum member runs Python code
         return bytes([_CODE_BY_VALUE[tier._value_] for tier in tiers])
+
+    def _lookup_shards(self, digests: list[bytes], hashes: list) -> list[bytes]:
+        return [self._lookup(digest, hashes) for digest in digests]
 
     def _reserve(self, digest: bytes, hashes: list, parent: bytes | None = None):
         return _then(self._node.begin_save(self._session, digest, hashes, parent), _placements(hashes))

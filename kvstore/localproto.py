@@ -102,6 +102,7 @@ class Op:
     HANDOFF_RECEIVE = 14
     HANDOFF_WAIT = 15
     HANDOFF_CLOSE = 16
+    LOOKUP_SHARDS = 17  # one lookup for the namespaces of several tensor-parallel ranks
 
 
 OP_NAMES: dict[int, str] = {value: name.lower() for name, value in vars(Op).items() if name.isupper()}
@@ -249,6 +250,17 @@ def _digest(value: Any) -> bytes:
     return value
 
 
+MAX_SHARDS = 64
+
+
+def _digests(value: Any) -> list[bytes]:
+    if not isinstance(value, bytes) or not value or len(value) % HASH_BYTES or len(value) > MAX_SHARDS * HASH_BYTES:
+        raise InvalidArgument(
+            f"namespace digests are one bytes string of 1 to {MAX_SHARDS} digests of {HASH_BYTES} bytes, got {describe(value)}."
+        )
+    return [value[i : i + HASH_BYTES] for i in range(0, len(value), HASH_BYTES)]
+
+
 def _parent(value: Any) -> BlockHash | None:
     if value is not None and (not isinstance(value, bytes) or len(value) != HASH_BYTES):
         raise InvalidArgument(f"the parent hash must be {HASH_BYTES} bytes or nil, got {describe(value)}.")
@@ -318,6 +330,7 @@ SIGNATURES: dict[int, tuple[tuple[str, Check, bool], ...]] = {
     Op.HELLO: (("version", _version, False),),
     Op.REGISTER: (("namespace", _fields, False),),
     Op.LOOKUP: (("namespace digest", _digest, False), ("block hashes", unpack_hashes, False)),
+    Op.LOOKUP_SHARDS: (("namespace digests", _digests, False), ("block hashes", unpack_hashes, False)),
     Op.RESERVE: (("namespace digest", _digest, False), ("block hashes", unpack_hashes, False), ("parent hash", _parent, True)),
     Op.COMMIT: (("reservation id", _handle, False), ("blocks written", _count_or_none, True), ("checksums", _checksums_or_none, True)),
     Op.ABORT: (("reservation id", _handle, False),),

@@ -93,3 +93,14 @@ def test_blocks_saved_from_and_loaded_into_gpu_memory_are_copied_before_their_sl
             api.admin.Evict(pb.EvictRequest(namespace_id=digest, block_hashes=HASHES))
         client.save(digest, chain_hashes(list(range(10_000, 10_000 + 8 * 16)), 16), [block(100 + i) for i in range(8)])
         assert all(torch.equal(a, b) for a, b in zip(into, on_gpu))
+
+
+def test_the_shards_of_a_tensor_parallel_engine_are_looked_up_in_one_round_trip(daemon):
+    ranks = [Namespace("test/in-place", LAYOUT, tp_rank, 2) for tp_rank in (0, 1)]
+    with KVStoreClient(daemon.socket) as client:
+        digests = [client.register_namespace(namespace) for namespace in ranks]
+        client.save(digests[0], HASHES[:6], [block(i) for i in range(6)])
+        client.save(digests[1], HASHES[:4], [block(10 + i) for i in range(4)])
+        found = client.lookup_shards(digests, HASHES)
+        assert [result.num_blocks for result in found] == [6, 4]
+        assert found == [client.lookup(digest, HASHES) for digest in digests]

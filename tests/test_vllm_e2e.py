@@ -324,3 +324,11 @@ def test_a_daemon_restart_under_a_serving_vllm_fails_no_request_and_hits_resume(
     finally:
         server.kill()
     assert "EngineCore encountered a fatal error" not in log and "Traceback" not in log, log[-6000:]
+
+
+def test_the_connector_asks_vllm_for_piecewise_cuda_graphs():
+    """A full CUDA graph replays a decode batch without calling the connector's layer
+    hooks; a whole-prompt hit leaves one token to compute and becomes such a batch."""
+    probe = "from kvstore.connectors.vllm import KVStoreConnector; print(KVStoreConnector.requires_piecewise_for_cudagraph({}))"
+    result = subprocess.run([str(VLLM_PYTHON), "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().splitlines()[-1] == "True", result.stderr[-3000:]

@@ -8,6 +8,7 @@ process (so nothing but kvstore can carry KV from one to the next), started with
 connector the plan names, serving the plan's requests one after another. The plan::
 
     {"model": DIR, "block_size": 32, "max_model_len": 8192, "prefix_caching": false,
+     "max_num_batched_tokens": null | 128 (chunked prefill), "async_scheduling": null | true,
      "custom_ops": null | ["all", "-rotary_embedding"], "tensor_parallel_size": 1, "env": {...},
      "connector": null | {"name": "KVStoreConnector" | "ExampleConnector",
                           "module": "kvstore.connectors.vllm" | null, "role": "kv_both",
@@ -126,8 +127,9 @@ def start_engine(plan: dict):
         dtype="bfloat16",
         block_size=plan.get("block_size", 32),
         max_model_len=plan.get("max_model_len", 4096),
-        max_num_batched_tokens=plan.get("max_model_len", 4096),
+        max_num_batched_tokens=plan.get("max_num_batched_tokens", plan.get("max_model_len", 4096)),
         enable_prefix_caching=plan.get("prefix_caching", False),
+        async_scheduling=plan.get("async_scheduling"),  # None: vLLM's default
         enforce_eager=True,
         seed=0,
         kv_transfer_config=_transfer_config(plan.get("connector")),

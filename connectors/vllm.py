@@ -132,7 +132,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._worker.save_layer(layer_name, self._metadata())
 
     def wait_for_save(self) -> None:
-        self._worker.finish_step()
+        self._worker.finish_step(self._metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, self._worker.finished_receiving()

@@ -118,6 +118,17 @@ def worker_tp_rank() -> int:
     return get_tensor_model_parallel_rank()
 
 
+def tp_min(values: list[int]) -> list[int]:
+    """The element-wise minimum of ``values`` over the tensor-parallel group, on its CPU
+    (gloo) group so that no device stream is synchronised. Every rank must call it with
+    a list of the same length, in the same step."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    tensor = torch.tensor(values, dtype=torch.int64)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=get_tp_group().cpu_group)
+    return tensor.tolist()
+
+
 def layer_index(layer_name: str) -> int:
     return extract_layer_index(layer_name)
 

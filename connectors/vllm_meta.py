@@ -35,6 +35,7 @@ __all__ = [
     "KVStoreConnectorMetadata",
     "TRANSFER_ID",
     "DESTINATION",
+    "LOAD_WINDOW_STEPS",
 ]
 
 # kv_transfer_params keys (next to vLLM's own do_remote_decode / do_remote_prefill)
@@ -95,11 +96,18 @@ def namespace_for(geometry: EngineGeometry, tp_rank: int, tenant_salt: str) -> N
     return Namespace(geometry.model_id, layout, tp_rank, geometry.tp_size, 0, geometry.pp_size, tenant_salt)
 
 
+# Steps whose loads may have failed without the scheduler knowing yet: the step being
+# built and, under async scheduling, the one still running (vLLM 0.32 keeps at most two
+# batches in flight without pipeline parallelism, which the connector refuses). A save
+# that attends to a block loaded in one of them names it in ``SaveSpec.reads``.
+LOAD_WINDOW_STEPS = 2
+
+
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
     """Copy the blocks ``hashes`` into the engine blocks ``block_ids`` (same order): from
-    the store, or — with a ``transfer_id`` — from that handoff, whose block
-    ``first_block`` is ``hashes[0]``."""
+    the store, or — with a ``transfer_id`` — from that handoff. ``hashes[0]`` is the
+    request's block ``first_block`` (the block after vLLM's own prefix hit)."""
 
     req_id: str
     hashes: tuple[BlockHash, ...]
@@ -117,6 +125,10 @@ class SaveSpec:
     hashes: tuple[BlockHash, ...]
     block_ids: tuple[int, ...]
     parent_hash: BlockHash | None
+    # engine blocks before the first that this request attends to and that a step still
+    # in flight loads: if any of them failed to load on any rank, the saved KV was
+    # computed on bytes that are not the prompt's, and the save is aborted
+    reads: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ Owner: vLLM's scheduler thread; nothing here is shared with other threads.
 from __future__ import annotations
 
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,7 @@ from kvstore.connectors.vllm_compat import (
 )
 from kvstore.connectors.vllm_meta import (
     DESTINATION,
+    LOAD_WINDOW_STEPS,
     TRANSFER_ID,
     ConnectorSettings,
     HandoffSpec,
@@ -99,6 +101,7 @@ class SchedulerSide:
         )
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadSpec] = []
+        self._recent_loads: deque[frozenset[int]] = deque(maxlen=LOAD_WINDOW_STEPS)  # engine blocks loaded per step
         self.counters = SchedulerCounters()
 
     # -- admission -------------------------------------------------------------------------
@@ -142,7 +145,7 @@ class SchedulerSide:
             self.counters.handoffs_received += 1
             source = f"handoff {state.params[TRANSFER_ID]!r}"
         else:
-            self._loads.append(LoadSpec(request.request_id, hashes, targets))
+            self._loads.append(LoadSpec(request.request_id, hashes, targets, first_block=first))
             source = "kvstore"
         self.counters.external_hit_tokens += num_external_tokens
         logger.info(
@@ -158,6 +161,8 @@ class SchedulerSide:
     def build_metadata(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
         metadata = KVStoreConnectorMetadata(loads=self._loads)
         self._loads = []
+        self._recent_loads.append(frozenset(block for spec in metadata.loads if spec.transfer_id is None for block in spec.block_ids))
+        recent_loads = frozenset().union(*self._recent_loads)
         for scheduled in scheduled_requests(scheduler_output):
             state = self._track(scheduled)
             if state is None:
@@ -166,7 +171,7 @@ class SchedulerSide:
             if handoff is not None:  # the handoff stores the blocks on this node too
                 metadata.handoffs.append(handoff)
                 continue
-            save = self._save_of(scheduled, state)
+            save = self._save_of(scheduled, state, recent_loads)
             if save is not None:
                 metadata.saves.append(save)
                 self.counters.saved_blocks_planned += len(save.hashes)
@@ -243,19 +248,22 @@ class SchedulerSide:
                 state.block_ids.extend(scheduled.block_ids)
         return state
 
-    def _save_of(self, scheduled: ScheduledRequest, state: _Request) -> SaveSpec | None:
+    def _save_of(self, scheduled: ScheduledRequest, state: _Request, recent_loads: frozenset[int]) -> SaveSpec | None:
         """The prompt blocks this step's forward pass fills, or None.
 
         Derived from vLLM's own progress (tokens computed before the step plus those
         scheduled in it), so a step rolled back after a failed load simply saves the
-        recomputed blocks later."""
+        recomputed blocks later. ``recent_loads``: engine blocks loaded by the steps of
+        the load window; those this request attends to become the save's ``reads``
+        (its own loaded prefix, and blocks it shares with another request's load)."""
         computed_after = min(scheduled.num_computed_tokens + scheduled.num_scheduled_tokens, len(state.prompt))
         first = scheduled.num_computed_tokens // self._block_size
         stop = min(computed_after // self._block_size, len(state.block_ids))
         if stop <= first:
             return None
         parent = state.hashes[first - 1] if first else None
-        return SaveSpec(scheduled.req_id, tuple(state.hashes[first:stop]), tuple(state.block_ids[first:stop]), parent)
+        reads = tuple(block for block in state.block_ids[:first] if block in recent_loads) if recent_loads else ()
+        return SaveSpec(scheduled.req_id, tuple(state.hashes[first:stop]), tuple(state.block_ids[first:stop]), parent, reads)
 
     def _handoff_of(self, scheduled: ScheduledRequest, state: _Request) -> HandoffSpec | None:
         """PD producer: every full prompt block, in the step that completes the prompt."""

@@ -11,9 +11,17 @@ as load errors and vLLM recomputes them.
 
 Saving: at a step's first ``save_layer`` the blocks that step fills are reserved (one
 round trip); each layer is copied into the reserved slots on the copy thread as soon as
-the forward pass has written it; ``finish_step`` commits once every layer is in — or
-aborts, when any load of the step failed, since tokens computed on top of a block that
-did not load must never be stored.
+the forward pass has written it; ``finish_step`` commits once every layer is in.
+
+No save is computed on a block that did not load. Under tensor parallelism a block that
+fails on one rank poisons every rank's KV computed after it (the layers' outputs are
+all-reduced), so at the end of each step with loads the ranks agree, with one all-reduce
+on the CPU group, on the first failed block of every load; all of them report the same
+blocks to vLLM, which rolls the requests back and recomputes. A save whose ``reads`` (the
+blocks it attends to that a step still in flight loads: the request's own loaded prefix,
+a block shared with another request's load) include a failed block is aborted — in the
+failing step and in the next, which async scheduling may have planned before vLLM knew;
+the recompute, planned after the rollback, saves those blocks right.
 
 Prefill/decode handoffs (``vllm_handoff``): the sender's layer copies share the copy
 thread and its handoffs are cancelled in a step whose loads failed; the receiver runs
@@ -39,11 +47,12 @@ from kvstore.connectors.vllm_compat import (
     connector_logger,
     layer_index,
     log_failure,
+    tp_min,
     worker_tp_rank,
 )
 from kvstore.connectors.vllm_handoff import HandoffReceiver, HandoffSender
 from kvstore.connectors.vllm_layout import BlockOrder, BlockRun, CopyJob, CopyThread, LayerCopier, runs_of, wait_all
-from kvstore.connectors.vllm_meta import ConnectorSettings, KVStoreConnectorMetadata, SaveSpec, namespace_for
+from kvstore.connectors.vllm_meta import LOAD_WINDOW_STEPS, ConnectorSettings, KVStoreConnectorMetadata, SaveSpec, namespace_for
 from kvstore.errors import InvalidArgument, KVStoreError
 
 __all__ = ["WorkerSide", "WorkerCounters"]
@@ -85,7 +94,10 @@ class WorkerSide:
         self._save_runs: list[BlockRun] = []
         self._layer_saves: list[CopyJob] = []
         self._saved_layers: set[int] = set()
-        self._step_failed = False
+        self._first_failed: dict[int, int] = {}  # metadata.loads index -> position of its first block not loaded
+        self._failed_this_step: set[int] = set()
+        self._failed_recently: dict[int, int] = {}  # engine block that failed to load -> step it failed in
+        self._step = 0
         self._load_errors: set[int] = set()
         self.counters = WorkerCounters()
 
@@ -133,7 +145,7 @@ class WorkerSide:
     # -- loading ---------------------------------------------------------------------------
     def start_load(self, metadata: KVStoreConnectorMetadata) -> None:
         runs: list[BlockRun] = []
-        for spec in metadata.loads:
+        for index, spec in enumerate(metadata.loads):
             if spec.transfer_id is not None:
                 self._receiver.start(spec)  # asynchronous: reported through finished_receiving
                 continue
@@ -141,9 +153,12 @@ class WorkerSide:
             self._leases.append(lease)
             loaded = lease.num_blocks
             if loaded < len(spec.hashes):
-                self._fail_blocks(
-                    spec.block_ids[loaded:],
-                    f"request {spec.req_id}: {len(spec.hashes) - loaded} of {len(spec.hashes)} blocks are no longer loadable",
+                self._first_failed[index] = loaded
+                logger.warning(
+                    "kvstore: request %s: %d of %d blocks are no longer loadable; vLLM recomputes them",
+                    spec.req_id,
+                    len(spec.hashes) - loaded,
+                    len(spec.hashes),
                 )
             if loaded:
                 runs += runs_of(spec.block_ids[:loaded], lease.views, self._block_bytes)
@@ -189,14 +204,17 @@ class WorkerSide:
         if self._save_runs:
             self._layer_saves.append(self._copies.submit(self._copier.save, self._caches[layer], layer, self._save_runs))
 
-    def finish_step(self) -> None:
-        """End of the forward pass: loads are done, so release their leases; commit the
-        step's saves if every layer was copied and nothing the step read failed to load."""
+    def finish_step(self, metadata: KVStoreConnectorMetadata) -> None:
+        """End of the forward pass: loads are done, so release their leases; agree with
+        the other ranks on what failed to load; commit each save of the step if every
+        layer was copied and it attends to no block that failed to load."""
         # every queued copy is waited for, even after one failed: a copy still running reads
         # slots whose leases are released below
         error = wait_all(self._layer_loads)
         if error is not None:  # some layers hold bytes of unknown state: recompute them all
-            self._fail_blocks(self._loading_block_ids, f"a layer copy from the slab failed ({error})")
+            logger.warning("kvstore: a layer copy from the slab failed (%s); vLLM recomputes the step's loads", error)
+            self._first_failed = {index: 0 for index, spec in enumerate(metadata.loads) if spec.transfer_id is None}
+        self._agree_on_failed_loads(metadata)
         error = wait_all(self._layer_saves)
         if error is not None:
             logger.error("kvstore: a layer copy into the slab failed, not saving this step: %s", error)
@@ -204,15 +222,44 @@ class WorkerSide:
         for lease in self._leases:
             self._release(lease)
         if self._sender is not None:  # registered: steps before that (profiling) move nothing
-            self._sender.finish_step(abandon=self._step_failed)
+            untrusted = bool(self._failed_this_step) or any(
+                block in self._failed_recently for spec in metadata.handoffs for block in spec.block_ids
+            )
+            self._sender.finish_step(abandon=untrusted)
             self.counters.handoff_blocks_sent = self._sender.blocks_sent
             self.counters.handoff_failures = self._sender.failures + self._receiver.failures
-        complete = saves_copied and len(self._saved_layers) == len(self._caches) and not self._step_failed
+        complete = saves_copied and len(self._saved_layers) == len(self._caches)
         for spec, pending in self._saves or ():
-            self._finish_save(spec, pending, complete)
+            self._finish_save(spec, pending, complete and not any(block in self._failed_recently for block in spec.reads))
         self._leases, self._layer_loads, self._loading_block_ids = [], [], []
         self._saves, self._save_runs, self._layer_saves, self._saved_layers = None, [], [], set()
-        self._step_failed = False
+        self._first_failed, self._failed_this_step = {}, set()
+        self._step += 1
+
+    def _agree_on_failed_loads(self, metadata: KVStoreConnectorMetadata) -> None:
+        """Every rank's first failed block of every load, the lowest of them all: the
+        ranks report, and abort saves over, the same blocks. All ranks see the same
+        metadata, so they all take part in the all-reduce or all skip it."""
+        # a failure older than the load window is known to vLLM's scheduler, which planned its recompute
+        self._failed_recently = {block: step for block, step in self._failed_recently.items() if step > self._step - LOAD_WINDOW_STEPS}
+        loads = [(index, spec) for index, spec in enumerate(metadata.loads) if spec.transfer_id is None]
+        if not loads:
+            return
+        first_failed = [self._first_failed.get(index, len(spec.block_ids)) for index, spec in loads]
+        if self._geometry.tp_size > 1:
+            first_failed = tp_min(first_failed)
+        for (index, spec), position in zip(loads, first_failed):
+            for block in spec.block_ids[:position]:
+                self._failed_recently.pop(block, None)  # loaded right this time
+            failed = spec.block_ids[position:]
+            if failed and index not in self._first_failed:
+                logger.warning(
+                    "kvstore: request %s: another rank could not load %d of its blocks; vLLM recomputes them", spec.req_id, len(failed)
+                )
+            self._failed_this_step.update(failed)
+            self._failed_recently.update(dict.fromkeys(failed, self._step))
+        self._load_errors |= self._failed_this_step
+        self.counters.failed_blocks += len(self._failed_this_step)
 
     def close(self) -> None:
         self._copies.shutdown()
@@ -234,12 +281,6 @@ class WorkerSide:
             self._client.release(lease)
         except KVStoreError as exc:
             log_failure(logger, "release failed (the daemon frees the lease when the connection goes)", exc)
-
-    def _fail_blocks(self, block_ids: Sequence[int], why: str) -> None:
-        logger.warning("kvstore: %s; vLLM recomputes them", why)
-        self._load_errors.update(block_ids)
-        self.counters.failed_blocks += len(block_ids)
-        self._step_failed = True
 
     def _reserve(self, spec: SaveSpec) -> PendingSave | None:
         try:

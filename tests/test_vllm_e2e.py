@@ -68,6 +68,7 @@ P, Q, R, S = (random_prompt(seed) for seed in (11, 12, 13, 14))
 P_SHARED = P[:500] + random_prompt(15, 500)  # shares P's first 15 full blocks (480 tokens)
 T = random_prompt(16, 32 * BLOCK)  # whole blocks only: all but its last token come from kvstore
 U = random_prompt(17)  # prefilled on one instance, decoded on another
+V = random_prompt(18, 50 * BLOCK)  # instance A stores its first 31 blocks; a chunked prefill the rest
 
 
 @dataclass
@@ -87,17 +88,46 @@ class Store:
         }
 
     def serve(
-        self, name: str, prompts: list[list[int]], connector: dict | bool = True, transfer: list | None = None, max_tokens: int = MAX_TOKENS
+        self,
+        name: str,
+        prompts: list[list[int]],
+        connector: dict | bool = True,
+        transfer: list | None = None,
+        max_tokens: int = MAX_TOKENS,
+        plan: dict | None = None,
     ) -> dict:
         connector = self.connector() if connector is True else connector or None
         requests = [{"prompt": prompt, "max_tokens": max_tokens} for prompt in prompts]
         for request, params in zip(requests, transfer or ()):
             request["kv_transfer_params"] = params
-        plan = {"model": str(self.model), "block_size": BLOCK, "max_model_len": 4096, "connector": connector, "requests": requests}
+        plan = {
+            "model": str(self.model),
+            "block_size": BLOCK,
+            "max_model_len": 4096,
+            "connector": connector,
+            "requests": requests,
+            **(plan or {}),
+        }
         report = engine_process(plan, self.workdir, name)
         log = (self.workdir / f"{name}.log").read_text()
         assert "Traceback" not in log, log[-6000:]  # nothing failed quietly, shutdown included
         return report
+
+    def reference_errors(self, prompt: list[int], num_blocks: int) -> dict:
+        """How far the prompt's first ``num_blocks`` stored blocks are from the K and V a
+        transformers forward pass computes (tests/vllm_kv_reference.py)."""
+        prompt_file = self.workdir / "reference-prompt.json"
+        prompt_file.write_text(json.dumps(prompt))
+        result = subprocess.run(
+            [str(VLLM_PYTHON), str(REFERENCE), str(self.daemon.socket), str(self.model), str(prompt_file), str(num_blocks)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        errors = json.loads(result.stdout.strip().splitlines()[-1])
+        assert errors["loaded"] == num_blocks
+        return errors
 
     def namespace(self) -> Namespace:
         """The namespace the connector must derive for this model: path, bf16, HND planes."""
@@ -114,7 +144,7 @@ def store(tmp_path_factory):
     model = build_model(workdir / "model", "tiny")
     with daemons(workdir) as start:
         store = Store(start(), model, workdir, start)
-        store.saved_by_a = store.serve("instance-a", [P, Q, R, S, T])
+        store.saved_by_a = store.serve("instance-a", [P, Q, R, S, T, V[:PROMPT_TOKENS]])
         yield store
 
 
@@ -128,19 +158,9 @@ def baseline(store):
 def test_instance_a_saves_every_full_block_as_the_reference_model_computes_it(store, baseline):
     a = store.saved_by_a
     assert [r["tokens"] for r in a["results"][:3]] == [baseline["P"], baseline["Q"], baseline["R"]]
-    assert a["connector"]["saved_blocks"] == 4 * (PROMPT_TOKENS // BLOCK) + len(T) // BLOCK
+    assert a["connector"]["saved_blocks"] == 5 * (PROMPT_TOKENS // BLOCK) + len(T) // BLOCK
     assert a["connector"]["external_hit_tokens"] == 0
-    prompt_file = store.workdir / "p.json"
-    prompt_file.write_text(json.dumps(P))
-    result = subprocess.run(
-        [str(VLLM_PYTHON), str(REFERENCE), str(store.daemon.socket), str(store.model), str(prompt_file), str(PROMPT_TOKENS // BLOCK)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    errors = json.loads(result.stdout.strip().splitlines()[-1])
-    assert errors["loaded"] == PROMPT_TOKENS // BLOCK
+    errors = store.reference_errors(P, PROMPT_TOKENS // BLOCK)
     # bf16 rounding apart, the stored planes are the reference K and V …
     assert errors["k_err"] < 0.05 * errors["scale"] and errors["v_err"] < 0.05 * errors["scale"]
     # … and the check can tell K from V
@@ -198,6 +218,33 @@ def test_a_block_failing_its_nvme_checksum_is_recomputed_with_the_correct_output
     assert recovered["results"][0]["tokens"] == baseline["Q"]  # … and recomputed
     assert counters["saved_blocks"] == 1  # the dropped block is stored again (the others were intact)
     assert store.counters()["corrupt_nvme"] == corrupt_before + 1
+
+
+def test_tokens_computed_on_a_block_that_failed_to_load_are_never_stored(store):
+    """A chunked prefill over a block that fails its checksum on NVMe: vLLM rolls the
+    request back to the failed block and recomputes from there. The chunk the load step
+    computed on the bad KV is not saved (it would have been, and deduplication would
+    have kept it over the recompute's), and every block the store ends up holding is the
+    one a forward pass computes. Async scheduling (vLLM 0.32's default) is on, so a
+    chunk planned before the rollback would be refused the same way (``SaveSpec.reads``)."""
+    bad_block = 5
+    with KVStoreClient(store.daemon.socket) as client:
+        digest = client.register_namespace(store.namespace())
+        lease = client.acquire(digest, chain_hashes(V, BLOCK))
+        assert lease.num_blocks == PROMPT_TOKENS // BLOCK  # instance A stored the first 31 blocks
+        stored = lease.views[bad_block].clone()
+        client.release(lease)
+    assert store.daemon.stop(signal.SIGTERM) == 0
+    flip_a_byte_of(store.daemon.workdir / "nvme", stored)
+    store.daemon.start()
+    plan = {"max_num_batched_tokens": 4 * BLOCK, "async_scheduling": True}
+    report = store.serve("instance-chunked", [V], plan=plan)
+    counters = report["connector"]
+    assert counters["loaded_blocks"] == bad_block
+    assert counters["failed_blocks"] == PROMPT_TOKENS // BLOCK - bad_block
+    assert counters["aborted_saves"] >= 1  # the chunks computed on the bad KV
+    errors = store.reference_errors(V, len(V) // BLOCK)  # the recompute stored every block, and stored it right
+    assert errors["k_err"] < 0.05 * errors["scale"] and errors["v_err"] < 0.05 * errors["scale"]
 
 
 def test_a_prefill_instance_hands_the_kv_to_a_decode_instance_layer_by_layer(store, baseline):

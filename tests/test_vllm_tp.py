@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 
 import pytest
 from daemon_harness import daemons
+from test_manager_nvme import flip_a_byte_of
 
 from bench.vllm_engine import VLLM_PYTHON, build_model, engine_process
 from bench.vllm_model import MLA_CUSTOM_OPS
@@ -98,6 +100,33 @@ def test_a_block_one_rank_lacks_is_a_miss_for_the_whole_request(fleet):
         assert api.admin.Evict(pb.EvictRequest(namespace_id=digest, block_hashes=[hashes[10]])).evicted == 1
     result = serve("tp-d", "tiny", [r])["results"][0]
     assert result["num_cached_tokens"] == 10 * BLOCK  # the hit ends where one rank misses
+
+
+def test_a_block_that_fails_to_load_on_one_rank_poisons_no_save_of_the_other(fleet):
+    """Rank 1's copy of a block fails its checksum at load; rank 0 loads all of it. Both
+    ranks computed the step's new tokens on rank 1's bad KV (the ranks' attention outputs
+    are summed), so neither may save them: the ranks agree on what failed before saving.
+    vLLM recomputes from the failed block, and what the store then holds decodes what an
+    instance without kvstore decodes."""
+    serve, daemon, models = fleet
+    head = prompt(55)
+    longer = head + prompt(56)[:600]  # 50 whole blocks: the load step computes the last 19 on the loaded KV
+    expected = serve("tp-poison-baseline", "tiny", [longer], connector=False)["results"][0]["tokens"]
+    serve("tp-poison-a", "tiny", [head])
+    bad_block = 5
+    with KVStoreClient(daemon.socket) as client:
+        digest = client.register_namespace(_rank_namespace(models["tiny"], 1))
+        lease = client.acquire(digest, chain_hashes(head, BLOCK))
+        stored = lease.views[bad_block].clone()
+        client.release(lease)
+    assert daemon.stop(signal.SIGTERM) == 0  # a clean stop leaves every block on NVMe only
+    flip_a_byte_of(daemon.workdir / "nvme", stored)
+    daemon.start()
+    # vLLM's own prefix cache is off: the second request is served from kvstore alone
+    poisoned, again = serve("tp-poison-b", "tiny", [longer, longer])["results"]
+    assert poisoned["tokens"] == expected  # vLLM recomputed what rank 1 could not load
+    assert again["num_cached_tokens"] == len(longer) - 1  # every block was stored again …
+    assert again["tokens"] == expected  # … and stored right, on both ranks
 
 
 def test_mla_under_two_ranks_stores_one_copy_and_every_rank_loads_it(fleet):

@@ -134,13 +134,15 @@ def layer_index(layer_name: str) -> int:
 
 
 def check_kv_cache(name: str, cache: torch.Tensor, geometry: EngineGeometry) -> None:
-    """Refuse a layer whose tensor is not block-major with one block's planes per row."""
+    """Refuse a layer that is not vLLM 0.32's ``[blocks, heads, tokens, content]`` view
+    (any ``KVCacheLayout``'s strides) holding one block's planes per block."""
     block_elements = geometry.kv_planes * geometry.num_kv_heads * geometry.block_size * geometry.head_dim
     what = "K and V" if geometry.kv_planes == 2 else "the MLA latent"
-    if cache.dim() < 2 or cache[0].numel() != block_elements or not cache.is_contiguous():
+    if cache.dim() != 4 or cache[0].numel() != block_elements or cache.stride(-1) != 1:
         raise InvalidArgument(
-            f"KV cache layer {name} has shape {tuple(cache.shape)}; the kvstore connector needs a contiguous, "
-            f"block-major cache holding {block_elements} elements ({what}) per block, as vLLM's CPU backends do."
+            f"KV cache layer {name} has shape {tuple(cache.shape)} and strides {cache.stride()}; the kvstore connector "
+            f"needs a [blocks, heads, tokens, content] view (contiguous content) holding {block_elements} elements "
+            f"({what}) per block, as every KVCacheLayout of vLLM 0.32 does."
         )
     if str(cache.dtype).removeprefix("torch.") != geometry.dtype:
         raise InvalidArgument(f"KV cache layer {name} holds {cache.dtype}, but the model dtype is {geometry.dtype}.")

@@ -11,6 +11,15 @@ kernel write keys and values whose digits name their (plane, head, token, dim) i
 scratch block, reads back where each landed, and keeps the resulting gather index.
 A block that is not a plain permutation of the two planes is refused.
 
+Every cache vLLM 0.32 hands a connector is a logical ``[blocks, heads, tokens,
+content]`` view whose strides follow the backend's ``KVCacheLayout``: block-major and
+contiguous on the CPU backends, a block's pages interleaved with other layers' in the
+block-outermost layouts, heads and tokens swapped in memory in ``LBNHC`` (FlashAttention's
+NHD). The order is learned, and copies index, in the view's logical order, so the
+strides never matter: discovery writes into a scratch block laid out like the cache (the
+kernel sees the strides it will see), a block whose ``[heads, tokens, content]`` is one
+contiguous run is copied through a view, and any other through one staging copy per run.
+
 Copies use two strided views (one per plane) when the permutation is affine in (head,
 token, dim) — true of the ``vec`` kernel — and a gather/scatter through the index
 otherwise. ``LayerCopier`` moves one layer of many blocks at once: engine blocks with
@@ -63,9 +72,11 @@ class BlockOrder:
         head_dim: int,
         what: str,
         num_planes: int = 2,
+        like: torch.Tensor | None = None,
     ) -> BlockOrder:
         """Learn the order from ``write`` into blocks of ``block_shape``; ``what`` names
-        the layer in errors. ``num_planes``: 2 (K and V) or 1 (MLA's latent)."""
+        the layer in errors. ``num_planes``: 2 (K and V) or 1 (MLA's latent). ``like``:
+        the layer's cache, whose device and in-block memory order the scratch block takes."""
         count = num_planes * num_kv_heads * block_size * head_dim
         block_elements = 1
         for size in block_shape:
@@ -74,13 +85,15 @@ class BlockOrder:
             raise InvalidArgument(f"{what}: a block holds {block_elements} elements, not the {count} of its {num_planes} plane(s).")
         # the store position of every (plane, token, head, dim), in the order the writer takes its inputs
         position = torch.arange(count).view(num_planes, num_kv_heads, block_size, head_dim).transpose(1, 2)
+        device = like.device if like is not None else torch.device("cpu")
         native_position = torch.zeros(count, dtype=torch.long)
         place = 1
         while place < count:
             digits = (position // place) % _DIGIT_BASE
-            scratch = torch.full((1, *block_shape), -1.0, dtype=dtype)
-            write(*(plane.to(dtype).contiguous() for plane in digits), scratch)
-            written = scratch.view(-1).float()
+            scratch = _one_block_like(like, block_shape, dtype, device)
+            scratch.fill_(-1.0)
+            write(*(plane.to(device=device, dtype=dtype).contiguous() for plane in digits), scratch)
+            written = scratch.reshape(-1).float().cpu()  # the view's logical order
             if bool((written < 0).any()) or bool((written >= _DIGIT_BASE).any()):
                 raise InvalidArgument(
                     f"{what}: the engine's cache kernel does not store its KV as plain elements; "
@@ -95,12 +108,19 @@ class BlockOrder:
             )
         gather = torch.empty(count, dtype=torch.long)
         gather[native_position] = torch.arange(count)
-        return cls(gather, (num_kv_heads, block_size, head_dim), num_planes)
+        return cls(gather.to(device), (num_kv_heads, block_size, head_dim), num_planes)
+
+    @property
+    def strided(self) -> bool:
+        """True when each plane is copied through one strided view (no gather index)."""
+        return self._strided is not None
 
     def save(self, native: torch.Tensor, planes: torch.Tensor) -> None:
-        """Copy engine blocks ``native`` (n × block, contiguous) into ``planes`` (n ×
+        """Copy engine blocks ``native`` (n blocks of the layer's view) into ``planes`` (n ×
         block elements in store order; rows may lie apart, as slab slots do)."""
-        flat = native.view(native.shape[0], -1)
+        flat = _flat_blocks(native)
+        if flat is None:  # the blocks' elements are not one run each: stage them in logical order
+            flat = native.reshape(native.shape[0], -1)
         if self._strided is None:
             planes.copy_(flat.index_select(1, self.gather))
             return
@@ -109,7 +129,15 @@ class BlockOrder:
             target[:, plane].copy_(view)
 
     def load(self, planes: torch.Tensor, native: torch.Tensor) -> None:
-        flat = native.view(native.shape[0], -1)
+        flat = _flat_blocks(native)
+        if flat is None:
+            staged = torch.empty((native.shape[0], native[0].numel()), dtype=native.dtype, device=native.device)
+            self._load_flat(planes, staged)
+            native.copy_(staged.view(native.shape))
+            return
+        self._load_flat(planes, flat)
+
+    def _load_flat(self, planes: torch.Tensor, flat: torch.Tensor) -> None:
         if self._strided is None:
             flat.index_copy_(1, self.gather, planes)
             return
@@ -120,6 +148,26 @@ class BlockOrder:
     def _plane_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         shape = (flat.shape[0], *self._planes_shape)
         return [flat.as_strided(shape, (flat.stride(0), *strides), flat.storage_offset() + offset) for strides, offset in self._strided]
+
+
+def _flat_blocks(native: torch.Tensor) -> torch.Tensor | None:
+    """``native`` as (n × block elements) without copying, or None when a block's elements
+    are not one contiguous run in logical order (the row stride may be anything)."""
+    try:
+        return native.view(native.shape[0], -1)
+    except RuntimeError:
+        return None
+
+
+def _one_block_like(like: torch.Tensor | None, block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A (1, *block_shape) tensor whose in-block dimensions lie in memory in the order
+    ``like``'s do (contiguous when there is no ``like``)."""
+    if like is None or tuple(like.shape[1:]) != tuple(block_shape):
+        return torch.empty((1, *block_shape), dtype=dtype, device=device)
+    inner = range(len(block_shape))
+    outer_first = sorted(inner, key=lambda dim: like.stride(dim + 1), reverse=True)
+    physical = torch.empty((1, *(block_shape[dim] for dim in outer_first)), dtype=dtype, device=device)
+    return physical.permute(0, *(1 + outer_first.index(dim) for dim in inner))
 
 
 @dataclass(frozen=True, slots=True)

@@ -132,6 +132,7 @@ class WorkerSide:
                 geometry.head_dim,
                 f"KV cache layer {name}",
                 geometry.kv_planes,
+                like=cache,
             )
             for name, cache in ordered
         ]

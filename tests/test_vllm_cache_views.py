@@ -1,0 +1,41 @@
+"""The connector's copies over every cache layout vLLM 0.32 builds for GPU backends.
+
+tests/vllm_cache_views.py runs in the vLLM venv: it takes each layer's view with vLLM's
+own ``create_kv_cache_views`` for every ``KVCacheLayout``, full attention and MLA, and
+checks that what kvstore stores is its planes and what it loads is the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bench.vllm_engine import VLLM_PYTHON
+
+SCRIPT = Path(__file__).with_name("vllm_cache_views.py")
+
+if not VLLM_PYTHON.exists():
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{VLLM_PYTHON} is missing: `make test` should have built it with `make vllm-venv`.")
+    pytest.skip(f"no vLLM venv at {VLLM_PYTHON}; run `make vllm-venv`", allow_module_level=True)
+
+
+def test_every_kv_cache_layout_is_stored_as_kvstore_planes_and_loaded_back_byte_for_byte():
+    run = subprocess.run([str(VLLM_PYTHON), str(SCRIPT)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    cases = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    from_vllm = subprocess.run(
+        [str(VLLM_PYTHON), "-c", "from vllm.v1.kv_cache_layout import KVCacheLayout; print(' '.join(l.name for l in KVCacheLayout))"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout.split()
+    assert len(from_vllm) >= 6
+    assert {(case["layout"], case["spec"]) for case in cases} == {(name, spec) for name in from_vllm for spec in ("full attention", "mla")}
+    assert all(case["ok"] for case in cases)
+    # the views really are of several kinds: some blocks are not one contiguous run
+    assert any(not case["block_contiguous"] for case in cases) and any(case["block_contiguous"] for case in cases)

@@ -9,6 +9,7 @@ connector the plan names, serving the plan's requests one after another. The pla
 
     {"model": DIR, "block_size": 32, "max_model_len": 8192, "prefix_caching": false,
      "max_num_batched_tokens": null | 128 (chunked prefill), "async_scheduling": null | true,
+     "kv_cache_dtype": "auto" | "fp8" | "fp8_e5m2",
      "custom_ops": null | ["all", "-rotary_embedding"], "tensor_parallel_size": 1, "env": {...},
      "connector": null | {"name": "KVStoreConnector" | "ExampleConnector",
                           "module": "kvstore.connectors.vllm" | null, "role": "kv_both",
@@ -129,6 +130,7 @@ def start_engine(plan: dict):
         max_model_len=plan.get("max_model_len", 4096),
         max_num_batched_tokens=plan.get("max_num_batched_tokens", plan.get("max_model_len", 4096)),
         enable_prefix_caching=plan.get("prefix_caching", False),
+        kv_cache_dtype=plan.get("kv_cache_dtype", "auto"),
         async_scheduling=plan.get("async_scheduling"),  # None: vLLM's default
         enforce_eager=True,
         seed=0,

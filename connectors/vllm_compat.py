@@ -80,21 +80,41 @@ class EngineGeometry:
     num_kv_heads: int  # per tensor-parallel rank
     head_dim: int
     block_size: int
-    dtype: str
+    dtype: str  # of the KV elements as stored: the model's, or the fp8 kind of kv_cache_dtype
     tp_size: int
     pp_size: int
     # 2: K and V; 1: MLA, one latent plane per token (kv_lora_rank + qk_rope_head_dim), the
     # same on every tensor-parallel rank
     kv_planes: int = 2
     kv_lora_rank: int = 0  # MLA: where the latent's rope part starts
+    model_dtype: str = ""  # what the forward pass computes in (the cache-write kernel's input)
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype != self.model_dtype
+
+
+# kv_cache_dtype → the element type of the stored bytes. Scales are per layer and come from
+# the checkpoint (1.0 where it has none), so the namespace's model names them.
+FP8_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 def engine_geometry(vllm_config: VllmConfig, model_id: str | None) -> EngineGeometry:
     model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    if cache.cache_dtype != "auto":
+    model_dtype = str(model.dtype).removeprefix("torch.")
+    if cache.cache_dtype == "auto":
+        dtype = model_dtype
+    elif cache.cache_dtype in FP8_KV_DTYPES:
+        dtype = FP8_KV_DTYPES[cache.cache_dtype]
+        if cache.kv_cache_dtype_skip_layers:
+            raise InvalidArgument(
+                f"kv_cache_dtype_skip_layers={cache.kv_cache_dtype_skip_layers!r} mixes fp8 and unquantized layers in one "
+                "cache; the kvstore connector stores one element type per namespace."
+            )
+    else:
         raise InvalidArgument(
-            f"the kvstore connector stores KV in the model dtype; kv_cache_dtype={cache.cache_dtype!r} "
-            "(quantized KV with per-layer scales) is not supported, use kv_cache_dtype='auto'."
+            f"kv_cache_dtype={cache.cache_dtype!r} is not supported by the kvstore connector (its bytes carry scales "
+            f"per token or per block); use one of 'auto', {', '.join(repr(name) for name in FP8_KV_DTYPES)}."
         )
     if parallel.pipeline_parallel_size != 1:
         raise InvalidArgument("the kvstore connector does not support pipeline parallelism yet; use pipeline_parallel_size=1.")
@@ -104,11 +124,12 @@ def engine_geometry(vllm_config: VllmConfig, model_id: str | None) -> EngineGeom
         num_kv_heads=model.get_num_kv_heads(parallel),
         head_dim=model.get_head_size(),
         block_size=cache.block_size,
-        dtype=str(model.dtype).removeprefix("torch."),
+        dtype=dtype,
         tp_size=parallel.tensor_parallel_size,
         pp_size=parallel.pipeline_parallel_size,
         kv_planes=1 if model.use_mla else 2,
         kv_lora_rank=int(getattr(model.hf_text_config, "kv_lora_rank", 0) or 0) if model.use_mla else 0,
+        model_dtype=model_dtype,
     )
 
 
@@ -144,8 +165,9 @@ def check_kv_cache(name: str, cache: torch.Tensor, geometry: EngineGeometry) -> 
             f"needs a [blocks, heads, tokens, content] view (contiguous content) holding {block_elements} elements "
             f"({what}) per block, as every KVCacheLayout of vLLM 0.32 does."
         )
-    if str(cache.dtype).removeprefix("torch.") != geometry.dtype:
-        raise InvalidArgument(f"KV cache layer {name} holds {cache.dtype}, but the model dtype is {geometry.dtype}.")
+    held = str(cache.dtype).removeprefix("torch.")
+    if held != geometry.dtype and not (geometry.quantized and held == "uint8"):  # fp8 caches are allocated as bytes
+        raise InvalidArgument(f"KV cache layer {name} holds {cache.dtype}, but its KV is {geometry.dtype}.")
 
 
 def cache_writer(vllm_config: VllmConfig, layer_name: str, geometry: EngineGeometry) -> Callable[..., None]:
@@ -154,14 +176,17 @@ def cache_writer(vllm_config: VllmConfig, layer_name: str, geometry: EngineGeome
     a value, or, for MLA, from the latent, split as the layer splits it (the normed
     ``kv_c`` of ``kv_lora_rank`` elements, then the rope part ``k_pe``)."""
     layer = vllm_config.compilation_config.static_forward_context[layer_name]
+    # fp8 KV is stored as input / scale: inputs scaled up by it land as the values given
+    k_scale, v_scale = (float(layer._k_scale_float), float(layer._v_scale_float)) if geometry.quantized else (1.0, 1.0)
 
     def write(key: torch.Tensor, value: torch.Tensor, scratch: torch.Tensor) -> None:
-        slots = torch.arange(key.shape[0], dtype=torch.long)
-        layer.impl.do_kv_cache_update(layer, key, value, scratch, slots)
+        slots = torch.arange(key.shape[0], dtype=torch.long, device=key.device)
+        layer.impl.do_kv_cache_update(layer, key * k_scale, value * v_scale, scratch, slots)
 
     def write_latent(latent: torch.Tensor, scratch: torch.Tensor) -> None:
-        slots = torch.arange(latent.shape[0], dtype=torch.long)
+        slots = torch.arange(latent.shape[0], dtype=torch.long, device=latent.device)
         rank = geometry.kv_lora_rank
+        latent = latent * k_scale
         kv_c, k_pe = latent[:, 0, :rank].contiguous(), latent[:, :, rank:].contiguous()
         # the MLA kernels take the cache as (blocks, tokens, latent): its one "head" merged away
         layer.impl.do_kv_cache_update(kv_c, k_pe, scratch.flatten(1, -2), slots, layer.kv_cache_dtype, layer._k_scale)

@@ -51,7 +51,8 @@ __all__ = ["BlockOrder", "CacheWriter", "LayerCopier", "BlockRun", "runs_of", "C
 # token slots 0… of a one-block scratch cache, the last argument
 CacheWriter = Callable[..., None]
 
-_DIGIT_BASE = 16  # digits 0…15 are exact in every float dtype, fp8 included
+_DIGIT_BASES = {torch.float8_e5m2: 8}  # digits 0…7 are exact in e5m2 (2 mantissa bits)
+_DIGIT_BASE = 16  # digits 0…15 are exact in every other float dtype, fp8 e4m3 included
 
 
 class BlockOrder:
@@ -73,10 +74,15 @@ class BlockOrder:
         what: str,
         num_planes: int = 2,
         like: torch.Tensor | None = None,
+        input_dtype: torch.dtype | None = None,
+        element_dtype: torch.dtype | None = None,
     ) -> BlockOrder:
         """Learn the order from ``write`` into blocks of ``block_shape``; ``what`` names
         the layer in errors. ``num_planes``: 2 (K and V) or 1 (MLA's latent). ``like``:
-        the layer's cache, whose device and in-block memory order the scratch block takes."""
+        the layer's cache, whose device and in-block memory order the scratch block takes.
+        ``dtype`` is the cache tensor's; ``input_dtype`` what the writer takes (default
+        ``dtype``) and ``element_dtype`` what the cache's bytes are (default ``dtype``:
+        fp8 KV lives in a uint8 tensor)."""
         count = num_planes * num_kv_heads * block_size * head_dim
         block_elements = 1
         for size in block_shape:
@@ -86,21 +92,24 @@ class BlockOrder:
         # the store position of every (plane, token, head, dim), in the order the writer takes its inputs
         position = torch.arange(count).view(num_planes, num_kv_heads, block_size, head_dim).transpose(1, 2)
         device = like.device if like is not None else torch.device("cpu")
+        input_dtype = input_dtype or dtype
+        element_dtype = element_dtype or dtype
+        base = _DIGIT_BASES.get(element_dtype, _DIGIT_BASE)
         native_position = torch.zeros(count, dtype=torch.long)
         place = 1
         while place < count:
-            digits = (position // place) % _DIGIT_BASE
+            digits = (position // place) % base
             scratch = _one_block_like(like, block_shape, dtype, device)
-            scratch.fill_(-1.0)
-            write(*(plane.to(device=device, dtype=dtype).contiguous() for plane in digits), scratch)
-            written = scratch.reshape(-1).float().cpu()  # the view's logical order
-            if bool((written < 0).any()) or bool((written >= _DIGIT_BASE).any()):
+            scratch.view(element_dtype).fill_(-1.0)
+            write(*(plane.to(device=device, dtype=input_dtype).contiguous() for plane in digits), scratch)
+            written = scratch.view(element_dtype).reshape(-1).float().cpu()  # the view's logical order
+            if not bool(((written >= 0) & (written < base) & (written == written.round())).all()):  # NaN fails too
                 raise InvalidArgument(
                     f"{what}: the engine's cache kernel does not store its KV as plain elements; "
                     "the kvstore connector cannot read this cache layout."
                 )
             native_position += written.long() * place
-            place *= _DIGIT_BASE
+            place *= base
         if not torch.equal(torch.bincount(native_position, minlength=count), torch.ones(count, dtype=torch.long)):
             raise InvalidArgument(
                 f"{what}: the engine's cache kernel does not store each KV element once per block; "

@@ -133,6 +133,8 @@ class WorkerSide:
                 f"KV cache layer {name}",
                 geometry.kv_planes,
                 like=cache,
+                input_dtype=getattr(torch, geometry.model_dtype),
+                element_dtype=getattr(torch, geometry.dtype),
             )
             for name, cache in ordered
         ]

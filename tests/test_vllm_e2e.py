@@ -113,13 +113,14 @@ class Store:
         assert "Traceback" not in log, log[-6000:]  # nothing failed quietly, shutdown included
         return report
 
-    def reference_errors(self, prompt: list[int], num_blocks: int) -> dict:
-        """How far the prompt's first ``num_blocks`` stored blocks are from the K and V a
-        transformers forward pass computes (tests/vllm_kv_reference.py)."""
+    def reference_errors(self, prompt: list[int], num_blocks: int, dtype: str = "bfloat16") -> dict:
+        """How far the prompt's first ``num_blocks`` stored blocks (of KV elements
+        ``dtype``) are from the K and V a transformers forward pass computes
+        (tests/vllm_kv_reference.py)."""
         prompt_file = self.workdir / "reference-prompt.json"
         prompt_file.write_text(json.dumps(prompt))
         result = subprocess.run(
-            [str(VLLM_PYTHON), str(REFERENCE), str(self.daemon.socket), str(self.model), str(prompt_file), str(num_blocks)],
+            [str(VLLM_PYTHON), str(REFERENCE), str(self.daemon.socket), str(self.model), str(prompt_file), str(num_blocks), dtype],
             capture_output=True,
             text=True,
             timeout=300,
@@ -245,6 +246,27 @@ def test_tokens_computed_on_a_block_that_failed_to_load_are_never_stored(store):
     assert counters["aborted_saves"] >= 1  # the chunks computed on the bad KV
     errors = store.reference_errors(V, len(V) // BLOCK)  # the recompute stored every block, and stored it right
     assert errors["k_err"] < 0.05 * errors["scale"] and errors["v_err"] < 0.05 * errors["scale"]
+
+
+def test_fp8_kv_is_stored_as_its_bytes_under_a_namespace_of_its_own(store):
+    """kv_cache_dtype=fp8: the stored blocks are the engine's fp8 bytes (one byte per
+    element, the reference K and V within fp8's rounding), under an fp8 namespace that a
+    bf16 engine of the same model never reads; loaded back, the engine decodes what an
+    fp8 engine without kvstore decodes."""
+    prompt = random_prompt(19)
+    fp8 = {"kv_cache_dtype": "fp8"}
+    expected = store.serve("fp8-baseline", [prompt], connector=False, plan=fp8)["results"][0]["tokens"]
+    # vLLM's own prefix cache is off: the second request is served from kvstore alone
+    first, again = store.serve("fp8-a", [prompt, prompt], plan=fp8)["results"]
+    assert first["tokens"] == expected and first["num_cached_tokens"] == 0
+    assert again["num_cached_tokens"] == FULL_HIT
+    assert again["tokens"] == expected
+    errors = store.reference_errors(prompt, PROMPT_TOKENS // BLOCK, "float8_e4m3fn")
+    assert errors["k_err"] < 0.15 * errors["scale"] and errors["v_err"] < 0.15 * errors["scale"]
+    assert errors["k_vs_v_err"] > 0.3 * errors["scale"]
+    with KVStoreClient(store.daemon.socket) as client:
+        bf16 = client.register_namespace(store.namespace())
+        assert client.lookup(bf16, chain_hashes(prompt, BLOCK)).tiers == ()  # a bf16 engine finds none of it
 
 
 def test_a_prefill_instance_hands_the_kv_to_a_decode_instance_layer_by_layer(store, baseline):

@@ -167,3 +167,26 @@ def test_after_a_failed_copy_the_copies_queued_behind_it_are_waited_for():
     error = wait_all(jobs)
     assert isinstance(error, RuntimeError) and finished == [True]
     copies.shutdown()
+
+
+@pytest.mark.parametrize("element", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_kv_held_in_a_byte_tensor_is_learned_from_its_fp8_values(element):
+    """fp8 caches are uint8 tensors: the probe writes bf16 digits, reads them back as fp8
+    (e5m2's two mantissa bits hold 0…7 exactly, not 0…15), and copies move the bytes."""
+
+    def fp8_writer(key, value, scratch):
+        block = scratch[0].view(element).view(HEADS, 2, TOKENS * DIM)
+        block[:, 0] = key.permute(1, 2, 0).reshape(HEADS, -1).to(element)
+        block[:, 1] = value.permute(1, 0, 2).reshape(HEADS, -1).to(element)
+
+    order = BlockOrder.discover(
+        fp8_writer, SHAPE, torch.uint8, HEADS, TOKENS, DIM, "layer 0", input_dtype=torch.bfloat16, element_dtype=element
+    )
+    cache = torch.randint(0, 256, (4, *SHAPE), dtype=torch.uint8)
+    rows = torch.zeros(2, 2 * HEADS * TOKENS * DIM, dtype=torch.uint8)
+    order.save(cache[1:3], rows)
+    for row, block in zip(rows, cache[1:3]):
+        assert torch.equal(row.view(2, HEADS, TOKENS, DIM), reference_planes(block, transposed_k_writer))
+    restored = torch.zeros_like(cache)
+    order.load(rows, restored[:2])
+    assert torch.equal(restored[:2], cache[1:3])

@@ -1,10 +1,11 @@
 """Compare the KV blocks a vLLM instance stored in kvstore with a reference forward pass.
 
-    .venv-vllm/bin/python tests/vllm_kv_reference.py SOCKET MODEL_DIR PROMPT.json NUM_BLOCKS
+    .venv-vllm/bin/python tests/vllm_kv_reference.py SOCKET MODEL_DIR PROMPT.json NUM_BLOCKS [DTYPE]
 
 Run by test_vllm_e2e with the vLLM venv's python (it needs transformers). It loads the
 prompt's first NUM_BLOCKS blocks from the daemon under the namespace the connector is
-expected to use (model path, bfloat16, HND planes, K then V), computes the same
+expected to use (model path, DTYPE — bfloat16, or the fp8 kind of an fp8 KV cache —
+HND planes, K then V), computes the same
 prompt's keys and values with transformers' Llama, and prints, as JSON, the largest
 difference of each plane against its reference — and of the K plane against the
 reference V, which must be large (the comparison can fail).
@@ -20,6 +21,7 @@ import torch
 
 def main() -> None:
     socket_path, model_dir, prompt_path, num_blocks = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    dtype = sys.argv[5] if len(sys.argv) > 5 else "bfloat16"
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kvstore.client import KVStoreClient
@@ -31,7 +33,7 @@ def main() -> None:
     config = AutoConfig.from_pretrained(model_dir)
     block_size = 32
     heads, head_dim, layers = config.num_key_value_heads, config.head_dim, config.num_hidden_layers
-    layout = KVLayout(layers, heads, head_dim, block_size, "bfloat16", 2, "HND")
+    layout = KVLayout(layers, heads, head_dim, block_size, dtype, 2, "HND")
     with KVStoreClient(socket_path) as client:
         digest = client.register_namespace(Namespace(model_dir, layout))
         hashes = chain_hashes(prompt, block_size)[:num_blocks]
@@ -41,7 +43,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     with torch.no_grad():
         cache = model(torch.tensor([prompt[: num_blocks * block_size]]), use_cache=True).past_key_values
-    stored = torch.stack([b.view(torch.bfloat16).view(layers, 2, heads, block_size, head_dim) for b in blocks])
+    stored = torch.stack([b.view(getattr(torch, dtype)).view(layers, 2, heads, block_size, head_dim).float() for b in blocks])
     # (blocks, layers, 2, heads, tokens, dim) -> (layers, 2, heads, blocks·tokens, dim)
     stored = stored.permute(1, 2, 3, 0, 4, 5).reshape(layers, 2, heads, num_blocks * block_size, head_dim).float()
     keys = torch.stack([cache.layers[i].keys[0] for i in range(layers)]).float()

@@ -35,7 +35,7 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.connectors.vllm_compat import connector_logger
-from kvstore.connectors.vllm_layout import BlockRun, CopyJob, CopyThread, LayerCopier, runs_of
+from kvstore.connectors.vllm_layout import BlockRun, CopyJob, CopyThread, CudaCopies, LayerCopier, runs_of
 from kvstore.connectors.vllm_meta import HandoffSpec, LoadSpec
 from kvstore.errors import KVStoreError
 from kvstore.namespace import Namespace
@@ -66,7 +66,7 @@ class _StepSends:
 
 class HandoffSender:
     def __init__(
-        self, client: KVStoreClient, digest: bytes, copier: LayerCopier, copies: CopyThread, timeout_s: float, tp_rank: int
+        self, client: KVStoreClient, digest: bytes, copier: LayerCopier, copies: CopyThread | CudaCopies, timeout_s: float, tp_rank: int
     ) -> None:
         self._tp_rank = tp_rank
         self._client = client
@@ -86,7 +86,7 @@ class HandoffSender:
         self._announce_copied(wait=False)
         runs = [run for outgoing in self._step.handoffs if not outgoing.failed for run in outgoing.runs]
         if runs:
-            self._step.copies.append((layer, self._copies.submit(self._copier.save, cache, layer, runs)))
+            self._step.copies.append((layer, self._copies.submit_save(self._copier.save, cache, layer, runs)))
 
     def finish_step(self, abandon: bool) -> None:
         """Announce the remaining layers and wait for every handoff of the step to land —

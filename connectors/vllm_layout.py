@@ -28,8 +28,18 @@ plane (a fresh engine allocates consecutive blocks and the slab hands out adjace
 slots, so an 8K-token prompt is a handful of runs rather than 256 copies). Copies run
 on a ``CopyThread``, ahead of the forward pass; a copy still unstarted when the forward
 pass needs it runs on the engine's own thread instead (vLLM's compute threads keep every
-core busy, so the copy thread may not get one in time). Pure torch; the engine call is
-injected.
+core busy, so the copy thread may not get one in time).
+
+On CUDA the copy engine is ``CudaCopies``: a load stream and a store stream of the
+worker's own, one event per queued layer copy. A load is queued at once (after what the
+compute stream already queued, such as vLLM zeroing new blocks) and ``wait_on_device``
+makes the compute stream wait for that layer's event — the host never blocks; a save
+waits, on the device, for the compute stream to have written the layer. Each layer of
+a run is one gather or scatter kernel reading or writing the pinned slab in place
+(``runs_on``: zero-copy through the slab's device address, ``tiers/device.on_device``);
+where the device cannot address the slab, the copy goes through the host instead.
+The host waits for a copy's event before the slots it reads or writes are given back.
+Pure torch; the engine call is injected.
 """
 
 from __future__ import annotations
@@ -44,8 +54,9 @@ import torch
 
 from kvstore.errors import InvalidArgument
 from kvstore.layout import KVLayout
+from kvstore.tiers import device as device_memory
 
-__all__ = ["BlockOrder", "CacheWriter", "LayerCopier", "BlockRun", "runs_of", "CopyThread", "CopyJob"]
+__all__ = ["BlockOrder", "CacheWriter", "LayerCopier", "BlockRun", "runs_of", "runs_on", "CopyThread", "CopyJob", "CudaCopies"]
 
 # writes one input per plane (tokens × heads × dim each: key and value, or MLA's latent) into
 # token slots 0… of a one-block scratch cache, the last argument
@@ -60,7 +71,7 @@ class BlockOrder:
         self.gather = gather  # store position → element position inside the engine block
         self._planes_shape = planes_shape  # (heads, tokens, dim)
         self._num_planes = num_planes
-        self._strided = _affine_planes(gather, planes_shape, num_planes)
+        self._strided = _affine_planes(gather.cpu(), planes_shape, num_planes)
 
     @classmethod
     def discover(
@@ -130,6 +141,11 @@ class BlockOrder:
         flat = _flat_blocks(native)
         if flat is None:  # the blocks' elements are not one run each: stage them in logical order
             flat = native.reshape(native.shape[0], -1)
+        if planes.device != flat.device:  # slots the device cannot address: through the host
+            staged = torch.empty(planes.shape, dtype=planes.dtype, device=flat.device)
+            self.save(native, staged)
+            planes.copy_(staged)
+            return
         if self._strided is None:
             planes.copy_(flat.index_select(1, self.gather))
             return
@@ -138,6 +154,8 @@ class BlockOrder:
             target[:, plane].copy_(view)
 
     def load(self, planes: torch.Tensor, native: torch.Tensor) -> None:
+        if planes.device != native.device:  # slots the device cannot address: through the host
+            planes = planes.to(native.device)
         flat = _flat_blocks(native)
         if flat is None:
             staged = torch.empty((native.shape[0], native[0].numel()), dtype=native.dtype, device=native.device)
@@ -187,6 +205,17 @@ class BlockRun:
     first_block: int
     first_slot: torch.Tensor
     count: int
+
+
+def runs_on(device: torch.device, runs: Sequence[BlockRun], block_bytes: int) -> list[BlockRun]:
+    """``runs`` with each run's slots as a tensor on ``device`` over the same pinned host
+    bytes (zero-copy), where the device can address them; the others as they are."""
+    mapped = []
+    for run in runs:
+        span = run.first_slot.as_strided((run.count * block_bytes,), (1,), run.first_slot.storage_offset())
+        alias = device_memory.on_device(span, device)
+        mapped.append(run if alias is None else BlockRun(run.first_block, alias, run.count))
+    return mapped
 
 
 def runs_of(block_ids: Sequence[int], slots: Sequence[torch.Tensor], block_bytes: int) -> list[BlockRun]:
@@ -281,6 +310,71 @@ class CopyJob:
         if error is not None:
             raise error
 
+    def wait_on_device(self) -> None:
+        """What the engine waits for before using the copy's blocks: on the host, the copy."""
+        self.exception()
+
+
+class CudaCopyJob:
+    """A copy queued on a CUDA stream, finished when its event is."""
+
+    def __init__(self, event: torch.cuda.Event | None, error: BaseException | None) -> None:
+        self._event = event
+        self._error = error
+
+    def done(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+    def wait_on_device(self) -> None:
+        """Order the caller's current stream after the copy; the host does not wait."""
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+
+    def exception(self) -> BaseException | None:
+        """Wait, on the host, for the copy; return what it raised (at launch, or on the
+        device), or None."""
+        if self._event is not None and self._error is None:
+            try:
+                self._event.synchronize()
+            except RuntimeError as exc:  # a device-side failure of the copy
+                self._error = exc
+        return self._error
+
+    def result(self) -> None:
+        error = self.exception()
+        if error is not None:
+            raise error
+
+
+class CudaCopies:
+    """The copy engine on a CUDA device: its own load and store streams."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._load = torch.cuda.Stream(device)
+        self._store = torch.cuda.Stream(device)
+
+    def submit_load(self, copy: Callable[..., None], *args: Any) -> CudaCopyJob:
+        return self._queue(self._load, copy, args)
+
+    def submit_save(self, copy: Callable[..., None], *args: Any) -> CudaCopyJob:
+        return self._queue(self._store, copy, args)
+
+    def _queue(self, stream: torch.cuda.Stream, copy: Callable[..., None], args: tuple[Any, ...]) -> CudaCopyJob:
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # after what the engine queued: zeroing, the layer's write
+        try:
+            with torch.cuda.stream(stream):
+                copy(*args)
+                event = torch.cuda.Event()
+                event.record(stream)
+        except Exception as exc:  # handed to whoever waits for the copy
+            return CudaCopyJob(None, exc)
+        return CudaCopyJob(event, None)
+
+    def shutdown(self) -> None:
+        self._load.synchronize()
+        self._store.synchronize()
+
 
 def wait_all(jobs: Sequence[CopyJob]) -> BaseException | None:
     """Wait for every job — the ones after a failed one too, since they may still be reading
@@ -299,6 +393,8 @@ class CopyThread:
         job = CopyJob(copy, args)
         self._executor.submit(job.run)
         return job
+
+    submit_load = submit_save = submit  # one queue: copies of a step go in order
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)

@@ -51,7 +51,17 @@ from kvstore.connectors.vllm_compat import (
     worker_tp_rank,
 )
 from kvstore.connectors.vllm_handoff import HandoffReceiver, HandoffSender
-from kvstore.connectors.vllm_layout import BlockOrder, BlockRun, CopyJob, CopyThread, LayerCopier, runs_of, wait_all
+from kvstore.connectors.vllm_layout import (
+    BlockOrder,
+    BlockRun,
+    CopyJob,
+    CopyThread,
+    CudaCopies,
+    LayerCopier,
+    runs_of,
+    runs_on,
+    wait_all,
+)
 from kvstore.connectors.vllm_meta import LOAD_WINDOW_STEPS, ConnectorSettings, KVStoreConnectorMetadata, SaveSpec, namespace_for
 from kvstore.errors import InvalidArgument, KVStoreError
 
@@ -82,7 +92,8 @@ class WorkerSide:
         self._layer_of: dict[str, int] = {}
         self._copier: LayerCopier | None = None
         self._block_bytes = 0
-        self._copies = CopyThread("kvstore-copy")
+        self._copies: CopyThread | CudaCopies = CopyThread("kvstore-copy")  # CudaCopies once a CUDA cache registers
+        self._device: torch.device | None = None  # the caches' CUDA device
         self._saves_blocks = True  # False on the MLA ranks that only read (register decides)
         self._sender: HandoffSender | None = None  # PD producer
         self._receiver: HandoffReceiver | None = None  # PD consumer
@@ -140,6 +151,10 @@ class WorkerSide:
         ]
         self._copier = LayerCopier(namespace.layout, self._caches[0].dtype, orders)
         self._block_bytes = namespace.layout.block_bytes
+        if on_gpu:
+            self._copies.shutdown()
+            self._device = self._caches[0].device
+            self._copies = CudaCopies(self._device)
         timeout = self._settings.handoff_timeout_s
         self._sender = HandoffSender(self._client, self._digest, self._copier, self._copies, timeout, tp_rank)
         self._receiver = HandoffReceiver(self._settings.socket_path, namespace, self._copier, self._caches, timeout, tp_rank)
@@ -168,12 +183,16 @@ class WorkerSide:
                 self._loading_block_ids.extend(spec.block_ids[:loaded])
                 self.counters.loaded_blocks += loaded
         if runs:
-            self._layer_loads = [self._copies.submit(self._copier.load, cache, layer, runs) for layer, cache in enumerate(self._caches)]
+            if self._device is not None:
+                runs = runs_on(self._device, runs, self._block_bytes)
+            self._layer_loads = [
+                self._copies.submit_load(self._copier.load, cache, layer, runs) for layer, cache in enumerate(self._caches)
+            ]
 
     def wait_for_layer(self, layer_name: str) -> None:
         if self._layer_loads:
             # a failed copy is reported (and its blocks recomputed) by finish_step
-            self._layer_loads[self._layer_of[layer_name]].exception()
+            self._layer_loads[self._layer_of[layer_name]].wait_on_device()
 
     def finished_receiving(self) -> set[str]:
         """Requests whose handoff is over; the blocks it did not fill become load errors."""
@@ -203,9 +222,11 @@ class WorkerSide:
                 for spec, pending in self._saves
                 for run in runs_of([spec.block_ids[i] for i in pending.indices], pending.views, self._block_bytes)
             ]
+            if self._device is not None:
+                self._save_runs = runs_on(self._device, self._save_runs, self._block_bytes)
         self._saved_layers.add(layer)
         if self._save_runs:
-            self._layer_saves.append(self._copies.submit(self._copier.save, self._caches[layer], layer, self._save_runs))
+            self._layer_saves.append(self._copies.submit_save(self._copier.save, self._caches[layer], layer, self._save_runs))
 
     def finish_step(self, metadata: KVStoreConnectorMetadata) -> None:
         """End of the forward pass: loads are done, so release their leases; agree with

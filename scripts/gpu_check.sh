@@ -2,8 +2,10 @@
 # The checks that need a CUDA device, as one script for a GPU machine with no network
 # (`make gpu-check`). It installs kvstore (no dependencies fetched) and the wheels in
 # .whl/ that the machine lacks (`make gpu-wheels` downloads them, for Python 3.12) into
-# a scratch site directory, then runs the tests marked `gpu` and the transport bench,
-# whose overlap figure launches the layers' compute on the GPU. Figures and logs go to
+# a scratch site directory, then runs the tests marked `gpu` (the vLLM connector's CUDA
+# copy engine over every cache layout, pinned slab, per-layer events), the copy engine
+# bench (GB/s against raw cudaMemcpyAsync, overlap with a simulated forward pass) and the
+# transport bench, whose overlap figure launches the layers' compute on the GPU. Figures and logs go to
 # $OUT when it is set (the device tool's output folder), else to bench/out/gpu-check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,5 +22,6 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$PYTHON" -c "import torch; print('cuda:', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" | tee "$OUT/device.txt"
 status=0
 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$OUT/gpu-tests.log" || status=1
+"$PYTHON" -m bench.gpu_copies --quick --json 2>&1 | tee "$OUT/gpu_copies.log" || status=1
 "$PYTHON" -m bench.transport --quick --json 2>&1 | tee "$OUT/transport.log" || status=1
 exit $status

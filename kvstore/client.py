@@ -80,16 +80,21 @@ _PARALLEL_HASH_BYTES = 4 * 1024 * 1024  # from here a save hashes on a helper th
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
-    tiers: tuple[TierKind, ...]  # tier of each block of the longest cached prefix
+    ranks: bytes  # the rank (TierKind.rank) of the tier of each block of the longest cached prefix, one byte each
     block_size: int  # tokens per block
 
     @property
+    def tiers(self) -> tuple[TierKind, ...]:
+        """The tier of each block of the longest cached prefix."""
+        return tuple(map(TIERS_BY_CODE.__getitem__, self.ranks))
+
+    @property
     def num_blocks(self) -> int:
-        return len(self.tiers)
+        return len(self.ranks)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tiers) * self.block_size
+        return len(self.ranks) * self.block_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,15 +228,12 @@ class _Core:
 
     # -- lookups, saves, loads -------------------------------------------------------------------
     def lookup(self, namespace: bytes, hashes: Sequence[BlockHash]) -> Call:
-        codes = yield _Request(Op.LOOKUP, (namespace, localproto.pack_hashes(hashes)))
-        return LookupResult(tuple(map(TIERS_BY_CODE.__getitem__, codes)), self.block_size.get(namespace, 0))
+        ranks = yield _Request(Op.LOOKUP, (namespace, localproto.pack_hashes(hashes)))
+        return LookupResult(ranks, self.block_size.get(namespace, 0))
 
     def lookup_shards(self, namespaces: Sequence[bytes], hashes: Sequence[BlockHash]) -> Call:
         replies = yield _Request(Op.LOOKUP_SHARDS, (b"".join(namespaces), localproto.pack_hashes(hashes)))
-        return [
-            LookupResult(tuple(map(TIERS_BY_CODE.__getitem__, codes)), self.block_size.get(namespace, 0))
-            for namespace, codes in zip(namespaces, replies)
-        ]
+        return [LookupResult(ranks, self.block_size.get(namespace, 0)) for namespace, ranks in zip(namespaces, replies)]
 
     def save(self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor], parent_hash: BlockHash | None) -> Call:
         views = self._checked_blocks(namespace, hashes, blocks)
@@ -549,9 +551,12 @@ class _Connection:
         self.timeout_s = timeout_s
         self.wire = _Wire()
         self.broken = False
+        # replies land here first: sock.recv(1 MiB) would allocate (and give back) a MiB per reply, ~10 µs
+        self._landing = memoryview(bytearray(1 << 20))
+        self._sock_timeout: float | None = None
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.sock.settimeout(timeout_s)
+            self._set_timeout(timeout_s)
             self.sock.connect(path)
         except OSError as exc:
             self.sock.close()
@@ -603,9 +608,17 @@ class _Connection:
         for frame in frames:
             self._send(frame)
 
+    def _set_timeout(self, timeout_s: float) -> None:
+        # each settimeout is two fcntl calls: kept when within 10 ms of the one asked for
+        # (a call's remaining time differs by microseconds from one receive to the next)
+        current = self._sock_timeout
+        if current is None or (timeout_s != current and (timeout_s <= 0 or current <= 0 or abs(timeout_s - current) >= 0.01)):
+            self.sock.settimeout(timeout_s)
+            self._sock_timeout = timeout_s
+
     def _send(self, frame: bytes) -> None:
         try:
-            self.sock.settimeout(self.timeout_s)
+            self._set_timeout(self.timeout_s)
             self.sock.sendall(frame)
         except TimeoutError as exc:
             raise DaemonUnavailable(f"the kvstore daemon did not take a request within {self.timeout_s:g}s.") from exc
@@ -615,15 +628,15 @@ class _Connection:
     def _receive(self, timeout_s: float) -> bool:
         """Read what has arrived within ``timeout_s``; False when nothing did."""
         try:
-            self.sock.settimeout(timeout_s if timeout_s > 0 else 0.0)
-            chunk = self.sock.recv(1 << 20)
+            self._set_timeout(timeout_s if timeout_s > 0 else 0.0)
+            count = self.sock.recv_into(self._landing)
         except (TimeoutError, BlockingIOError):
             return False
         except OSError as exc:
             raise self._gone(f"the connection to the kvstore daemon broke ({exc.strerror or exc}); it may be restarting.") from exc
-        if not chunk:
+        if not count:
             raise self._gone("the kvstore daemon closed the connection; it may be restarting.")
-        self.wire.buffer += chunk
+        self.wire.buffer += self._landing[:count]
         return True
 
     def _gone(self, sentence: str) -> DaemonUnavailable:

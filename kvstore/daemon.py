@@ -244,4 +244,17 @@ def _start_metrics(metrics: Metrics, host: str, port: int) -> int | None:
 
 def run(config: DaemonConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(config))
+    _event_loop_runner(config.server.event_loop)(serve(config))
+
+
+def _event_loop_runner(choice: str):
+    """uvloop's ``run`` where it is asked for or, with "auto", installed; else asyncio's."""
+    if choice == "asyncio":
+        return asyncio.run
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise KVStoreError("server.event_loop is 'uvloop' but uvloop is not installed; pip install uvloop, or choose 'auto'.") from None
+        return asyncio.run
+    return uvloop.run

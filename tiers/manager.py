@@ -43,9 +43,6 @@ never shared.
 from __future__ import annotations
 
 import collections
-import functools
-import itertools
-import operator
 import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -55,9 +52,9 @@ import torch
 
 from kvstore.errors import BlockSizeMismatch, CapacityExhausted, InvalidArgument, UnknownNamespace
 from kvstore.events import BlockStored, EventQueue, RemovalReason
-from kvstore.hashing import BlockHash
+from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.namespace import Namespace
-from kvstore.tier_kind import TierKind
+from kvstore.tier_kind import TIER_BY_RANK, TierKind
 from kvstore.tiers.base import BlockMeta, Tier, TierStats, block_checksum, byte_view
 from kvstore.tiers.catalogue import BlockEntry
 from kvstore.tiers.eviction import POLICIES
@@ -80,10 +77,6 @@ __all__ = [
     "BlockInfo",
     "EvictResult",
 ]
-
-
-_IS_ENTRY = functools.partial(operator.is_not, None)
-_TIER_OF = operator.attrgetter("tier")
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +142,10 @@ class TierManager:
         """Known namespaces by digest; None where only recovered blocks name it."""
         return dict(self._namespaces)
 
+    def namespace(self, digest: bytes) -> Namespace | None:
+        """The namespace of ``digest``, None where it is unknown or only recovered blocks name it."""
+        return self._namespaces.get(digest)
+
     def block_bytes(self, namespace: bytes) -> int:
         try:
             return self._block_bytes[namespace]
@@ -158,12 +155,20 @@ class TierManager:
     # -- lookups ----------------------------------------------------------------------
     def lookup(self, namespace: bytes, hashes: Iterable[BlockHash]) -> list[TierKind]:
         """The tier of each block of the longest cached prefix of ``hashes``."""
+        hashes = list(hashes)
+        lengths = list(map(len, hashes))
+        if lengths.count(HASH_BYTES) != len(lengths):  # a hash of another length is cached nowhere: the prefix ends before it
+            hashes = hashes[: next(i for i, n in enumerate(lengths) if n != HASH_BYTES)]
+        return list(map(TIER_BY_RANK.__getitem__, self.lookup_ranks(namespace, b"".join(hashes))))
+
+    def lookup_ranks(self, namespace: bytes, chain: bytes) -> bytes:
+        """``lookup`` of a chain given as its 16-byte block hashes concatenated (as the local
+        protocol carries it): the rank (``TierKind.rank``) of each block's tier, one byte
+        per block. The hot path of every engine request: no object per block."""
         self.block_bytes(namespace)
-        # every step runs in C (zip, map, takewhile, attrgetter): this is the hot path of
-        # every engine request, ~5x faster than the same walk as a Python loop
-        keys = zip(itertools.repeat(namespace), hashes)
-        entries = itertools.takewhile(_IS_ENTRY, map(self.catalogue.get, keys))
-        return list(map(_TIER_OF, entries))
+        if len(chain) % HASH_BYTES:
+            raise InvalidArgument(f"a chain is a whole number of {HASH_BYTES}-byte block hashes, got {len(chain)} bytes.")
+        return self.catalogue.prefix_ranks(namespace, chain)
 
     # -- write path (tiers/reservations.py) -------------------------------------------
     def reserve_steps(

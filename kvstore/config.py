@@ -212,12 +212,17 @@ def _default_host_capacity(shm_dir: Path) -> int:
 
 
 def _default_nvme_capacity(directory: Path) -> int:
-    """Half of the free disk under the cache directory, at most 1 TiB."""
+    """A tenth of the free disk under the cache directory, at most 64 GiB: the slot files
+    are preallocated (a later write never finds the disk full), so a default must leave
+    the disk to its other users; a larger tier is configured (``nvme.capacity_bytes``).
+    Slot files a previous run left there count as free, so a restart keeps its size."""
     probe = directory
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
-    return max(_PAGE, min(free // 2, 1024 * GiB) // _PAGE * _PAGE)
+    if directory.is_dir():
+        free += sum(path.stat().st_size for path in directory.glob("slots-*.dat") if path.is_file())
+    return max(_PAGE, min(free // 10, 64 * GiB) // _PAGE * _PAGE)
 
 
 _SECTIONS = {

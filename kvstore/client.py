@@ -75,6 +75,9 @@ logger = logging.getLogger(__name__)
 MAX_BACKOFF_S = 2.0
 LAG_GRACE_S = 0.1  # while an answer is overdue, how long a call waits for it before failing at once
 _CHUNK = 256 * 1024  # copy-and-hash granule: the chunk is still in cache when it is hashed
+# how long a connection may spend mapping the slab's pages in before a helper thread
+# takes over (tiers/prefault.py): the first save of a fresh process runs at warm speed
+_PREFAULT_BUDGET_S = 0.2
 _PARALLEL_HASH_BYTES = 4 * 1024 * 1024  # from here a save hashes on a helper thread beside the copy
 
 
@@ -206,7 +209,9 @@ class _Core:
         self._unmap()  # the old daemon's slab: views into it still held keep it mapped until they go
         self.slab = SharedSlab.attach(slab_path)
         if self.pin_for_gpu:
-            self.pinned = device.pin_host_memory(self.slab.tensor)
+            self.pinned = device.pin_host_memory(self.slab.tensor)  # which faults every page in
+        if not self.pinned:
+            self.slab.prefault(_PREFAULT_BUDGET_S, "engine's mapping of the host tier")
         self.node_id, self.daemon_verifies = node_id, bool(verifies)
         self.generation += 1
         self.outstanding_leases.clear()

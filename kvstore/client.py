@@ -48,7 +48,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +63,7 @@ from kvstore.namespace import Namespace
 from kvstore.paths import default_socket_path
 from kvstore.tier_kind import TierKind
 from kvstore.tiers import device
-from kvstore.tiers.base import byte_view
+from kvstore.tiers.base import byte_view, checksums_beside
 from kvstore.tiers.host import SharedSlab
 from kvstore.tiers.slab import Slot
 
@@ -435,7 +434,7 @@ def _copy_in(slots: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> 
     slot's bytes do not match (a copy gone wrong, a source changed under the copy) is
     caught wherever the block is verified: a miss, never data."""
     if all(source.device.type == "cpu" for source in sources) and sum(s.numel() for s in slots) >= _PARALLEL_HASH_BYTES:
-        hashing = _hasher().submit(_checksums_of, [memoryview(source.detach().numpy()) for source in sources])
+        hashing = checksums_beside([memoryview(source.detach().numpy()) for source in sources])
         try:
             for slot, source in zip(slots, sources):
                 ctypes.memmove(slot.data_ptr(), source.data_ptr(), slot.numel())
@@ -469,21 +468,9 @@ def _checksums_of_slots(views: Sequence[torch.Tensor]) -> list[int]:
     if sum(view.numel() for view in views) < _PARALLEL_HASH_BYTES:
         return _checksums_of(buffers)
     half = len(buffers) // 2
-    first = _hasher().submit(_checksums_of, buffers[:half])
+    first = checksums_beside(buffers[:half])
     second = _checksums_of(buffers[half:])
     return first.result() + second
-
-
-_HASHER: ThreadPoolExecutor | None = None
-_HASHER_LOCK = threading.Lock()
-
-
-def _hasher() -> ThreadPoolExecutor:
-    global _HASHER
-    with _HASHER_LOCK:
-        if _HASHER is None:
-            _HASHER = ThreadPoolExecutor(1, thread_name_prefix="kvstore-checksum")
-        return _HASHER
 
 
 def _copy_out(targets: Sequence[torch.Tensor], slots: Sequence[torch.Tensor]) -> None:

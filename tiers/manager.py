@@ -46,6 +46,7 @@ import collections
 import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent import futures
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,7 @@ from kvstore.events import BlockStored, EventQueue, RemovalReason
 from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.namespace import Namespace
 from kvstore.tier_kind import TIER_BY_RANK, TierKind
-from kvstore.tiers.base import BlockMeta, Tier, TierStats, block_checksum, byte_view
+from kvstore.tiers.base import BlockMeta, Tier, TierStats, block_checksum, byte_view, checksums_beside
 from kvstore.tiers.catalogue import BlockEntry
 from kvstore.tiers.eviction import POLICIES
 from kvstore.tiers.leases import ReadLeases
@@ -77,6 +78,9 @@ __all__ = [
     "BlockInfo",
     "EvictResult",
 ]
+
+
+PARALLEL_CHECKSUM_BYTES = 4 << 20  # from here a put hashes its blocks beside the copies (the engine's client does the same)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,13 +249,20 @@ class TierManager:
             parent = hashes[start - 1] if start else parent_hash
             reservation = yield from self.reserve_steps(namespace, hashes[start : start + chunk], parent)
             tier = self._stack[reservation.tier]
+            views = [data[block.block_hash] for block in reservation.blocks]
+            # many megabytes from host memory: hashed on a helper thread while they are copied
+            beside = tier.holds_bytes and len(views) * nbytes >= PARALLEL_CHECKSUM_BYTES and all(v.device.type == "cpu" for v in views)
+            hashing = checksums_beside([memoryview(view.numpy()) for view in views]) if beside else None
             try:
-                checksums = []
-                for block in reservation.blocks:
-                    view = data[block.block_hash]
+                for block, view in zip(reservation.blocks, views):
                     tier.write(block.slot, view, BlockMeta(namespace, block.block_hash, block.parent_hash, nbytes))
-                    checksums.append(block_checksum(view) if tier.holds_bytes else None)
+                if hashing is not None:
+                    checksums = hashing.result()
+                else:
+                    checksums = [block_checksum(view) if tier.holds_bytes else None for view in views]
             except BaseException:
+                if hashing is not None:
+                    futures.wait([hashing])  # the helper reads the caller's blocks until it is done
                 self.abort(reservation.id)
                 raise
             stored += self.commit(reservation.id, None, checksums)

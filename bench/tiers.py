@@ -3,7 +3,8 @@
     python -m bench.tiers [--quick] [--json] [--dir PATH]
 
 For each block size (256 KiB, 1 MiB, 4 MiB):
-- host tier: put = reserve → copy into the shared-memory slot → commit, get = acquire →
+- host tier: put = reserve → copy into the shared-memory slot (taking each block's XXH3-64,
+  on a helper thread beside the copies as the engine's client does) → commit, get = acquire →
   copy out → release, both through the tier manager, in batches of 64 blocks, against
   single-thread memcpy of the same blocks between private torch tensors (target ≥ 0.8×);
 - NVMe tier: put and get of the same blocks through the tier (trailers, checksums, the

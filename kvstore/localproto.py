@@ -207,15 +207,15 @@ def pack_hashes(hashes: Sequence[BlockHash]) -> bytes:
 
 def checked_chain(blob: Any) -> bytes:
     """Block hashes as they travel, checked but left as one bytes string: a lookup probes
-    them as they are (tiers/key_table.py), without an object per block."""
+    them as they are (``Catalogue.prefix_ranks`` in tiers/catalogue.py), with no object
+    per block made here."""
     if not isinstance(blob, bytes) or len(blob) % HASH_BYTES:
         raise InvalidArgument(f"block hashes are one bytes string of {HASH_BYTES} bytes per block, got {describe(blob)}.")
     return blob
 
 
 def unpack_hashes(blob: Any) -> list[BlockHash]:
-    if not isinstance(blob, bytes) or len(blob) % HASH_BYTES:
-        raise InvalidArgument(f"block hashes are one bytes string of {HASH_BYTES} bytes per block, got {describe(blob)}.")
+    checked_chain(blob)
     # numpy splits in C (4x faster than slicing in a loop on 512 hashes); the void dtype
     # keeps trailing zero bytes, which the bytes-string dtype would strip
     return np.frombuffer(blob, dtype=f"V{HASH_BYTES}").tolist()

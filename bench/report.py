@@ -2,7 +2,12 @@
 baseline measured in the same run, and the targets each ratio must meet.
 
 Human-readable tables go to stdout; with ``--json`` the last line of stdout is one JSON
-object ``{"bench", "ratios", "targets", "results"}``.
+object ``{"bench", "ratios", "targets", "figures", "results"}``. A ratio of two
+measurements is recorded with ``compare``, which keeps both figures beside it
+(``figures[name]``: numerator, denominator, unit) and prints them next to the ratio —
+usually the measurement over its baseline, the baseline's latency over kvstore's for a
+speed-up; a figure that is itself the measure (microseconds, a count) is recorded with
+``ratio``.
 """
 
 from __future__ import annotations
@@ -54,12 +59,19 @@ class Report:
     bench: str
     ratios: dict[str, float] = field(default_factory=dict)
     targets: dict[str, str] = field(default_factory=dict)
+    figures: dict[str, dict[str, Any]] = field(default_factory=dict)
     results: list[dict[str, Any]] = field(default_factory=list)
 
     def ratio(self, name: str, value: float, target: str | None = None) -> None:
         self.ratios[name] = round(value, 4)
         if target is not None:
             self.targets[name] = target
+
+    def compare(self, name: str, numerator: float, denominator: float, unit: str, target: str | None = None) -> None:
+        """The ratio ``numerator / denominator`` (two figures in ``unit`` from this run),
+        kept with both figures so that the reader sees what was divided."""
+        self.ratio(name, numerator / denominator if denominator else float("inf"), target)
+        self.figures[name] = {"numerator": round(numerator, 6), "denominator": round(denominator, 6), "unit": unit}
 
     def met(self, name: str) -> bool | None:
         target = self.targets.get(name)
@@ -76,14 +88,31 @@ class Report:
         for row in cells:
             print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
-    def print_targets(self) -> None:
-        rows = [[name, self.ratios[name], target, "yes" if self.met(name) else "NO"] for name, target in self.targets.items()]
-        self.print_table("targets", ["measure", "ratio", "target", "met"], rows)
+    def print_ratios(self) -> None:
+        """Every ratio with the two figures it divides (where it divides two) and its target."""
+        rows = []
+        for name, value in self.ratios.items():
+            figures = self.figures.get(name)
+            numerator, denominator = ("-", "-") if figures is None else (_cell(figures["numerator"]), _cell(figures["denominator"]))
+            unit = "" if figures is None else figures["unit"]
+            met = self.met(name)
+            verdict = "-" if met is None else "yes" if met else "NO"
+            rows.append([name, value, numerator, denominator, unit, self.targets.get(name, "-"), verdict])
+        self.print_table(
+            "ratios (a ÷ b, both measured in this run) and targets", ["measure", "ratio", "a", "b", "unit", "target", "met"], rows
+        )
 
     def emit(self, as_json: bool) -> None:
-        self.print_targets()
+        self.print_ratios()
         if as_json:
-            print(json.dumps({"bench": self.bench, "ratios": self.ratios, "targets": self.targets, "results": self.results}))
+            document = {
+                "bench": self.bench,
+                "ratios": self.ratios,
+                "targets": self.targets,
+                "figures": self.figures,
+                "results": self.results,
+            }
+            print(json.dumps(document))
 
 
 def _cell(value: Any) -> str:

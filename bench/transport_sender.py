@@ -8,6 +8,7 @@ MODE is one of
                                is computed in the timed loop, frames go by send_many
     raw-tcp                    blocking sockets: one sendall of all the bytes (a block size
                                equal to TOTAL_BYTES), or each block's header and payload
+                               in one sendmsg, as kvstore gathers a frame
     raw-ucx                    ucxx tagged sends of the bare blocks, WINDOW blocks in flight
                                (a block size equal to TOTAL_BYTES: one message)
 
@@ -67,8 +68,20 @@ def send_raw_tcp(address: str, data: memoryview) -> None:
                 continue
             for index, offset in enumerate(range(0, len(data), block_bytes)):
                 block = data[offset : offset + block_bytes]
-                sock.sendall(block_header(1, NAMESPACE, index.to_bytes(16, "little"), block, index).pack())
-                sock.sendall(block)
+                # header and payload in one call, as kvstore's send_many gathers them
+                send_gathered(sock, [block_header(1, NAMESPACE, index.to_bytes(16, "little"), block, index).pack(), block])
+
+
+def send_gathered(sock: socket.socket, buffers: list) -> None:
+    """``sendmsg`` of ``buffers`` until every byte is sent (a send may take only part)."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]
 
 
 async def send_raw_ucx(address: str, data: memoryview, window: int) -> None:

@@ -1,6 +1,6 @@
 """The `kvstore` command: run the daemon, inspect and control it.
 
-Every command but `serve` and `version` talks to a daemon's gRPC API. The address comes
+Every command but `serve`, `clean` and `version` talks to a daemon's gRPC API. The address comes
 from ``--address``, else ``$KVSTORE_ADDRESS``, else the state file the daemon wrote next
 to its socket (``--socket`` / ``$KVSTORE_SERVER_SOCKET_PATH`` / the default path). The
 bearer token comes from ``--token`` or ``$KVSTORE_TOKEN``.
@@ -171,6 +171,40 @@ def serve(config_path: Path | None, settings: tuple[str, ...]) -> None:
 
 
 @main.command()
+@click.option(
+    "--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), envvar="KVSTORE_CONFIG", help="TOML configuration file."
+)
+@click.option("--set", "settings", multiple=True, metavar="SECTION.FIELD=VALUE", help="override one setting (repeatable).")
+@click.option("--dry-run", is_flag=True, help="name what would be removed, remove nothing.")
+@click.pass_obj
+def clean(ctx: Context, config_path: Path | None, settings: tuple[str, ...], dry_run: bool) -> None:
+    """Remove a stopped daemon's NVMe slot files and shared memory (refused while it runs).
+
+    Takes the configuration `kvstore serve` was started with, to find its files."""
+    from kvstore.cleanup import remove_leftovers
+    from kvstore.config import load_config, parse_overrides
+
+    overrides = ([f"server.socket_path={ctx.socket_path}"] if ctx.socket_path else []) + list(settings)
+    try:
+        config = load_config(config_path, overrides=parse_overrides(overrides))
+    except KVStoreError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    try:
+        removed = remove_leftovers(config, dry_run)
+    except KVStoreError as exc:
+        _fail(str(exc), EXIT_REJECTED)
+    document = {"removed": [str(path) for path in removed.paths], "bytes": removed.num_bytes, "dry_run": dry_run}
+
+    def human() -> None:
+        verb = "would remove" if dry_run else "removed"
+        for path in removed.paths:
+            click.echo(f"{verb} {path}")
+        click.echo(f"{verb} {len(removed.paths)} file(s), {_size(removed.num_bytes)}" if removed.paths else "nothing to remove")
+
+    ctx.emit(document, human)
+
+
+@main.command()
 def version() -> None:
     """Print kvstore's version."""
     from importlib.metadata import version as package_version
@@ -209,7 +243,7 @@ def _stats_document(client) -> dict:
     }
 
 
-def _print_stats(document: dict) -> None:
+def _print_stats(document: dict, with_counters: bool = True) -> None:
     click.echo(
         f"node {document['node_id']}  up {document['uptime_s']:.0f} s  {document['blocks']} blocks in {document['namespaces']} namespaces"
     )
@@ -220,8 +254,10 @@ def _print_stats(document: dict) -> None:
     if document["failed_tiers"]:
         click.echo(f"FAILED tiers (out of service until restart): {', '.join(document['failed_tiers'])}")
     click.echo(f"leases {document['leases']}  reservations {document['reservations']}  sessions {document['sessions']}")
-    for name, value in document["counters"].items():
-        click.echo(f"  {name:<32} {value}")
+    if with_counters:  # `kvstore stats`; `status` stops at the tiers (its --json has the counters too)
+        click.echo("counters")
+        for name, value in document["counters"].items():
+            click.echo(f"  {name:<32} {value}")
 
 
 @main.command()
@@ -232,7 +268,7 @@ def status(ctx: Context) -> None:
     with ctx.client() as client:
         serving = client.health()
         document = {"status": serving, **_stats_document(client)}
-    ctx.emit(document, lambda: (click.echo(f"kvstore at {client.address}: {serving}"), _print_stats(document)))
+    ctx.emit(document, lambda: (click.echo(f"kvstore at {client.address}: {serving}"), _print_stats(document, with_counters=False)))
 
 
 def _fleet_document(ctx: Context, client) -> dict:

@@ -48,7 +48,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +63,7 @@ from kvstore.namespace import Namespace
 from kvstore.paths import default_socket_path
 from kvstore.tier_kind import TierKind
 from kvstore.tiers import device
-from kvstore.tiers.base import byte_view
+from kvstore.tiers.base import byte_view, checksums_beside
 from kvstore.tiers.host import SharedSlab
 from kvstore.tiers.slab import Slot
 
@@ -75,21 +74,29 @@ logger = logging.getLogger(__name__)
 MAX_BACKOFF_S = 2.0
 LAG_GRACE_S = 0.1  # while an answer is overdue, how long a call waits for it before failing at once
 _CHUNK = 256 * 1024  # copy-and-hash granule: the chunk is still in cache when it is hashed
+# how long a connection may spend mapping the slab's pages in before a helper thread
+# takes over (tiers/prefault.py): the first save of a fresh process runs at warm speed
+_PREFAULT_BUDGET_S = 0.2
 _PARALLEL_HASH_BYTES = 4 * 1024 * 1024  # from here a save hashes on a helper thread beside the copy
 
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
-    tiers: tuple[TierKind, ...]  # tier of each block of the longest cached prefix
+    ranks: bytes  # the rank (TierKind.rank) of the tier of each block of the longest cached prefix, one byte each
     block_size: int  # tokens per block
 
     @property
+    def tiers(self) -> tuple[TierKind, ...]:
+        """The tier of each block of the longest cached prefix."""
+        return tuple(map(TIERS_BY_CODE.__getitem__, self.ranks))
+
+    @property
     def num_blocks(self) -> int:
-        return len(self.tiers)
+        return len(self.ranks)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tiers) * self.block_size
+        return len(self.ranks) * self.block_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +208,9 @@ class _Core:
         self._unmap()  # the old daemon's slab: views into it still held keep it mapped until they go
         self.slab = SharedSlab.attach(slab_path)
         if self.pin_for_gpu:
-            self.pinned = device.pin_host_memory(self.slab.tensor)
+            self.pinned = device.pin_host_memory(self.slab.tensor)  # which faults every page in
+        if not self.pinned:
+            self.slab.prefault(_PREFAULT_BUDGET_S, "engine's mapping of the host tier")
         self.node_id, self.daemon_verifies = node_id, bool(verifies)
         self.generation += 1
         self.outstanding_leases.clear()
@@ -223,15 +232,12 @@ class _Core:
 
     # -- lookups, saves, loads -------------------------------------------------------------------
     def lookup(self, namespace: bytes, hashes: Sequence[BlockHash]) -> Call:
-        codes = yield _Request(Op.LOOKUP, (namespace, localproto.pack_hashes(hashes)))
-        return LookupResult(tuple(map(TIERS_BY_CODE.__getitem__, codes)), self.block_size.get(namespace, 0))
+        ranks = yield _Request(Op.LOOKUP, (namespace, localproto.pack_hashes(hashes)))
+        return LookupResult(ranks, self.block_size.get(namespace, 0))
 
     def lookup_shards(self, namespaces: Sequence[bytes], hashes: Sequence[BlockHash]) -> Call:
         replies = yield _Request(Op.LOOKUP_SHARDS, (b"".join(namespaces), localproto.pack_hashes(hashes)))
-        return [
-            LookupResult(tuple(map(TIERS_BY_CODE.__getitem__, codes)), self.block_size.get(namespace, 0))
-            for namespace, codes in zip(namespaces, replies)
-        ]
+        return [LookupResult(ranks, self.block_size.get(namespace, 0)) for namespace, ranks in zip(namespaces, replies)]
 
     def save(self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor], parent_hash: BlockHash | None) -> Call:
         views = self._checked_blocks(namespace, hashes, blocks)
@@ -428,7 +434,7 @@ def _copy_in(slots: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> 
     slot's bytes do not match (a copy gone wrong, a source changed under the copy) is
     caught wherever the block is verified: a miss, never data."""
     if all(source.device.type == "cpu" for source in sources) and sum(s.numel() for s in slots) >= _PARALLEL_HASH_BYTES:
-        hashing = _hasher().submit(_checksums_of, [memoryview(source.detach().numpy()) for source in sources])
+        hashing = checksums_beside([memoryview(source.detach().numpy()) for source in sources])
         try:
             for slot, source in zip(slots, sources):
                 ctypes.memmove(slot.data_ptr(), source.data_ptr(), slot.numel())
@@ -462,21 +468,9 @@ def _checksums_of_slots(views: Sequence[torch.Tensor]) -> list[int]:
     if sum(view.numel() for view in views) < _PARALLEL_HASH_BYTES:
         return _checksums_of(buffers)
     half = len(buffers) // 2
-    first = _hasher().submit(_checksums_of, buffers[:half])
+    first = checksums_beside(buffers[:half])
     second = _checksums_of(buffers[half:])
     return first.result() + second
-
-
-_HASHER: ThreadPoolExecutor | None = None
-_HASHER_LOCK = threading.Lock()
-
-
-def _hasher() -> ThreadPoolExecutor:
-    global _HASHER
-    with _HASHER_LOCK:
-        if _HASHER is None:
-            _HASHER = ThreadPoolExecutor(1, thread_name_prefix="kvstore-checksum")
-        return _HASHER
 
 
 def _copy_out(targets: Sequence[torch.Tensor], slots: Sequence[torch.Tensor]) -> None:
@@ -549,9 +543,12 @@ class _Connection:
         self.timeout_s = timeout_s
         self.wire = _Wire()
         self.broken = False
+        # replies land here first: sock.recv(1 MiB) would allocate (and give back) a MiB per reply, ~10 µs
+        self._landing = memoryview(bytearray(1 << 20))
+        self._sock_timeout: float | None = None
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.sock.settimeout(timeout_s)
+            self._set_timeout(timeout_s)
             self.sock.connect(path)
         except OSError as exc:
             self.sock.close()
@@ -603,9 +600,17 @@ class _Connection:
         for frame in frames:
             self._send(frame)
 
+    def _set_timeout(self, timeout_s: float) -> None:
+        # each settimeout is two fcntl calls: kept when within 10 ms of the one asked for
+        # (a call's remaining time differs by microseconds from one receive to the next)
+        current = self._sock_timeout
+        if current is None or (timeout_s != current and (timeout_s <= 0 or current <= 0 or abs(timeout_s - current) >= 0.01)):
+            self.sock.settimeout(timeout_s)
+            self._sock_timeout = timeout_s
+
     def _send(self, frame: bytes) -> None:
         try:
-            self.sock.settimeout(self.timeout_s)
+            self._set_timeout(self.timeout_s)
             self.sock.sendall(frame)
         except TimeoutError as exc:
             raise DaemonUnavailable(f"the kvstore daemon did not take a request within {self.timeout_s:g}s.") from exc
@@ -615,15 +620,15 @@ class _Connection:
     def _receive(self, timeout_s: float) -> bool:
         """Read what has arrived within ``timeout_s``; False when nothing did."""
         try:
-            self.sock.settimeout(timeout_s if timeout_s > 0 else 0.0)
-            chunk = self.sock.recv(1 << 20)
+            self._set_timeout(timeout_s if timeout_s > 0 else 0.0)
+            count = self.sock.recv_into(self._landing)
         except (TimeoutError, BlockingIOError):
             return False
         except OSError as exc:
             raise self._gone(f"the connection to the kvstore daemon broke ({exc.strerror or exc}); it may be restarting.") from exc
-        if not chunk:
+        if not count:
             raise self._gone("the kvstore daemon closed the connection; it may be restarting.")
-        self.wire.buffer += chunk
+        self.wire.buffer += self._landing[:count]
         return True
 
     def _gone(self, sentence: str) -> DaemonUnavailable:

@@ -80,6 +80,25 @@ def _open_tiers(config: DaemonConfig) -> list:
     return tiers
 
 
+def _allocation_line(tier: HostTier | NvmeTier) -> str:
+    """What a tier takes from the machine, where, and what becomes of it at stop."""
+    if isinstance(tier, HostTier):
+        return (
+            f"host tier: {_gib(tier.config.capacity_bytes)} of shared memory reserved in {tier.path} "
+            "(removed when the daemon stops; host.capacity_bytes sets it)"
+        )
+    files = tier.slot_paths
+    return (
+        f"NVMe tier: {_gib(tier.capacity_bytes)} preallocated in {len(files)} slot file(s) under {tier.config.directory} "
+        f"({'O_DIRECT' if tier.uses_direct_io else 'buffered I/O'}; kept for the next start, removed by `kvstore clean` "
+        "once the daemon is stopped; nvme.capacity_bytes sets it)"
+    )
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB"
+
+
 async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> None:
     from kvstore.api.server import create_grpc_server  # grpc is imported only by the daemon
 
@@ -89,7 +108,10 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
     _reclaim_socket(socket_path)
 
     # demotion waits for NVMe: the daemon runs it in the background (housekeeping), never inside a commit
-    manager = TierManager(dataclasses.replace(config.manager, demote_on_commit=False), _open_tiers(config))
+    tiers = _open_tiers(config)
+    for tier in tiers:
+        logger.info("%s", _allocation_line(tier))
+    manager = TierManager(dataclasses.replace(config.manager, demote_on_commit=False), tiers)
     metrics = Metrics()
     node = Node(server_config.node_id, manager, metrics)
     loop = asyncio.get_running_loop()
@@ -244,4 +266,17 @@ def _start_metrics(metrics: Metrics, host: str, port: int) -> int | None:
 
 def run(config: DaemonConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(config))
+    _event_loop_runner(config.server.event_loop)(serve(config))
+
+
+def _event_loop_runner(choice: str):
+    """uvloop's ``run`` where it is asked for or, with "auto", installed; else asyncio's."""
+    if choice == "asyncio":
+        return asyncio.run
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise KVStoreError("server.event_loop is 'uvloop' but uvloop is not installed; pip install uvloop, or choose 'auto'.") from None
+        return asyncio.run
+    return uvloop.run

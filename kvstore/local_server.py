@@ -48,7 +48,6 @@ FRAMES_PER_TURN = 32
 BYTES_PER_TURN = 256 * 1024  # a turn ends after this much request data, so one client's big frames do not hold the loop
 WRITE_BUFFER_HIGH = 1024 * 1024
 _PEERCRED = struct.Struct("3i")
-_CODE_BY_VALUE = {kind.value: code for kind, code in localproto.TIER_CODES.items()}
 
 
 class LocalServer:
@@ -280,13 +279,11 @@ class LocalServerProtocol(asyncio.Protocol):
         namespace: Namespace = localproto.namespace_from_wire(fields)
         return [self._node.register_namespace(namespace), namespace.block_bytes]
 
-    def _lookup(self, digest: bytes, hashes: list) -> bytes:
-        tiers = self._node.lookup(digest, hashes)
-        # keyed by the members' plain string values: hashing an Enum member runs Python code
-        return bytes([_CODE_BY_VALUE[tier._value_] for tier in tiers])
+    def _lookup(self, digest: bytes, chain: bytes) -> bytes:
+        return self._node.lookup_ranks(digest, chain)  # the tier ranks are the wire's tier codes
 
-    def _lookup_shards(self, digests: list[bytes], hashes: list) -> list[bytes]:
-        return [self._lookup(digest, hashes) for digest in digests]
+    def _lookup_shards(self, digests: list[bytes], chain: bytes) -> list[bytes]:
+        return [self._lookup(digest, chain) for digest in digests]
 
     def _reserve(self, digest: bytes, hashes: list, parent: bytes | None = None):
         return _then(self._node.begin_save(self._session, digest, hashes, parent), _placements(hashes))

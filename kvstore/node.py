@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.errors import CapacityExhausted, InvalidArgument, NotFound, ReservationExpired, UnknownNamespace
-from kvstore.hashing import BlockHash, chain_hashes
+from kvstore.hashing import HASH_BYTES, BlockHash, chain_hashes
 from kvstore.metrics import Metrics
 from kvstore.namespace import Namespace
-from kvstore.tier_kind import TierKind
+from kvstore.tier_kind import TIER_BY_RANK, TierKind
 from kvstore.tiers.base import TierStats, byte_view
 from kvstore.tiers.manager import BlockInfo, EvictResult, ReadLease, Reservation, TierManager
 from kvstore.tiers.steps import Steps
@@ -157,16 +157,28 @@ class Node:
 
     # -- store ---------------------------------------------------------------------------
     def lookup(self, digest: bytes, hashes: Sequence[BlockHash]) -> list[TierKind]:
-        self._check_hashes(hashes)
-        tiers = self.manager.lookup(digest, hashes)
+        """The tier of each block of the longest cached prefix of ``hashes`` (checked in
+        shape by the front end)."""
+        chain = b"".join(hashes)
+        if len(chain) != HASH_BYTES * len(hashes):
+            raise InvalidArgument(f"every block hash is {HASH_BYTES} bytes.")
+        return list(map(TIER_BY_RANK.__getitem__, self.lookup_ranks(digest, chain)))
+
+    def lookup_ranks(self, digest: bytes, chain: bytes) -> bytes:
+        """``lookup`` of a chain of concatenated 16-byte hashes, as tier ranks (one byte per
+        block): the engines' hot path, with no object per block."""
+        num_asked = len(chain) // HASH_BYTES
+        self._check_count(num_asked)
+        ranks = self.manager.lookup_ranks(digest, chain)
         block_size = self._block_size(digest)
-        self.metrics.lookup(digest, tiers, len(hashes), block_size)
+        self.metrics.lookup(digest, ranks, num_asked, block_size)
+        hit, missed = len(ranks), num_asked - len(ranks)
         counts = self.lookup_counts
-        counts["lookup_hit_blocks"] += len(tiers)
-        counts["lookup_missed_blocks"] += len(hashes) - len(tiers)
-        counts["lookup_hit_tokens"] += len(tiers) * block_size
-        counts["lookup_missed_tokens"] += (len(hashes) - len(tiers)) * block_size
-        return tiers
+        counts["lookup_hit_blocks"] += hit
+        counts["lookup_missed_blocks"] += missed
+        counts["lookup_hit_tokens"] += hit * block_size
+        counts["lookup_missed_tokens"] += missed * block_size
+        return ranks
 
     def begin_save(self, session_id: int, digest: bytes, hashes: Sequence[BlockHash], parent: BlockHash | None) -> Steps[Reservation]:
         session = self._session(session_id)
@@ -204,13 +216,13 @@ class Node:
     def begin_load(self, session_id: int, digest: bytes, hashes: Sequence[BlockHash]) -> Steps[ReadLease]:
         session = self._session(session_id)
         self._check_hashes(hashes)
-        tiers = self.manager.lookup(digest, hashes)
+        ranks = self.manager.lookup_ranks(digest, b"".join(hashes))
         lease = yield from self.manager.acquire_steps(digest, hashes, TierKind.HOST)
         if not session.open:  # the connection went while the blocks were promoted
             self.manager.release(lease.id)
             raise NotFound(f"session {session_id} closed while its lease was being granted.")
         session.leases.add(lease.id)
-        self.metrics.loaded(digest, tiers[: len(lease.blocks)], lease.nbytes)
+        self.metrics.loaded(digest, ranks[: len(lease.blocks)], lease.nbytes)
         return lease
 
     def end_load(self, session_id: int, lease_id: int, corrupt_index: int | None = None) -> None:
@@ -346,9 +358,12 @@ class Node:
     def _check_hashes(self, hashes: Sequence[BlockHash]) -> None:
         # The front ends check each hash's shape where the bytes arrive (the local protocol
         # by construction, the gRPC API in kvstore/api/convert.py); the node bounds counts.
-        if len(hashes) > self.limits.max_blocks_per_request:
-            raise InvalidArgument(f"{len(hashes)} blocks exceed the limit of {self.limits.max_blocks_per_request} per request.")
+        self._check_count(len(hashes))
+
+    def _check_count(self, num_blocks: int) -> None:
+        if num_blocks > self.limits.max_blocks_per_request:
+            raise InvalidArgument(f"{num_blocks} blocks exceed the limit of {self.limits.max_blocks_per_request} per request.")
 
     def _block_size(self, digest: bytes) -> int:
-        namespace = self.manager.namespaces().get(digest)
+        namespace = self.manager.namespace(digest)
         return namespace.block_size if namespace is not None else 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["TierKind"]
+__all__ = ["TierKind", "TIER_BY_RANK"]
 
 
 class TierKind(str, enum.Enum):
@@ -24,3 +24,4 @@ class TierKind(str, enum.Enum):
 
 
 _TIER_RANK = {TierKind.GPU: 0, TierKind.HBM: 1, TierKind.HOST: 2, TierKind.NVME: 3, TierKind.REMOTE: 4}
+TIER_BY_RANK: tuple[TierKind, ...] = tuple(sorted(TierKind, key=_TIER_RANK.__getitem__))  # rank -> tier

@@ -83,3 +83,64 @@ def test_refusals_are_sentences_with_exit_codes(live, tmp_path):
         [sys.executable, "-m", "kvstore", "--socket", str(live.socket), "pin", "--namespace", "zz", "ab"], capture_output=True, text=True
     )
     assert usage.returncode == 2
+
+
+def clean(daemon, *, socket: Path | None = None, expect: int = 0, dry_run: bool = False):
+    settings = [f"--set={key}={value}" for key, value in daemon.settings().items()]
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstore", "--socket", str(socket or daemon.socket), "--json", "clean", *settings]
+        + (["--dry-run"] if dry_run else []),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == expect, (result.stdout, result.stderr)
+    return json.loads(result.stdout) if expect == 0 else result.stderr
+
+
+def test_clean_refuses_while_the_daemon_runs_and_removes_a_stopped_nodes_files(tmp_path):
+    d = new_daemon(tmp_path).start()
+    shm = Path(f"/dev/shm/{d.shm_name}")
+    nvme = sorted((d.workdir / "nvme").glob("slots-*.dat"))
+    try:
+        log = d.log()
+        assert f"host tier: 0.06 GiB of shared memory reserved in {shm}" in log
+        assert f"NVMe tier: 0.12 GiB preallocated in 2 slot file(s) under {d.workdir / 'nvme'}" in log
+        assert "serving on" in clean(d, expect=1)
+        # a socket configured elsewhere: the daemon's locks on its files still refuse
+        assert "a running kvstore daemon holds" in clean(d, socket=tmp_path / "elsewhere.sock", expect=1)
+        assert shm.exists() and all(path.exists() for path in nvme) and len(nvme) == 2
+    finally:
+        assert d.stop(signal.SIGTERM) == 0
+    assert not shm.exists()  # a clean stop removes the shared memory; the NVMe files stay for a restart
+    assert clean(d, dry_run=True)["removed"] == [str(path) for path in nvme] and all(path.exists() for path in nvme)
+    removed = clean(d)
+    assert removed["removed"] == [str(path) for path in nvme] and removed["bytes"] == 128 << 20
+    assert not (d.workdir / "nvme").exists()
+    assert clean(d)["removed"] == []
+
+
+def test_clean_removes_the_shared_memory_of_a_killed_daemon(tmp_path):
+    d = new_daemon(tmp_path).start()
+    shm = Path(f"/dev/shm/{d.shm_name}")
+    d.stop(signal.SIGKILL)
+    assert shm.exists()
+    removed = clean(d)["removed"]
+    assert str(shm) in removed and str(d.socket) in removed and not shm.exists() and not d.socket.exists()
+    d.start()  # and the node starts again where it was
+    try:
+        assert kv(d, "status")["status"] == "SERVING"
+    finally:
+        d.stop(signal.SIGTERM)
+
+
+def test_status_stops_at_the_tiers_and_stats_names_its_counters(live):
+    def human(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "kvstore", "--socket", str(live.socket), *args], capture_output=True, text=True, timeout=60, check=True
+        ).stdout.splitlines()
+
+    status = human("status")
+    assert status[-1].startswith("leases ") and not any(line.startswith("  ") for line in status)
+    stats = human("stats")
+    assert "counters" in stats and stats.index("counters") < len(stats) - 1

@@ -117,3 +117,46 @@ def test_a_live_owner_cannot_be_reclaimed(host_tier):
     with pytest.raises(TierUnavailable, match="live kvstore daemon"):
         HostTier(live)
     assert host_tier.path.exists()  # the owner's segment is untouched
+
+
+def _minor_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _touch_every_page(tensor: torch.Tensor) -> None:
+    tensor[::4096] += 0  # one write per page
+
+
+def test_opening_the_tier_maps_its_pages_in_and_an_attached_mapping_is_prefaulted_too():
+    tier = HostTier(HostTierConfig(capacity_bytes=32 * MiB, name=f"kvstore-test-{uuid.uuid4().hex[:8]}", page_bytes=2 * MiB))
+    try:
+        assert tier.shared.prefault(0.5, "host tier").done.wait(10)
+        before = _minor_faults()
+        _touch_every_page(tier.shared.tensor)
+        assert _minor_faults() - before < 32 * MiB // 4096 // 4  # 8192 pages: without the prefault, one fault each
+        tier.shared.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+        engine = SharedSlab.attach(tier.path)
+        try:
+            work = engine.prefault(0.0, "engine's mapping")  # all of it on the helper thread
+            assert work.done.wait(10) and work.num_populated == 32 * MiB
+            before = _minor_faults()
+            _touch_every_page(engine.tensor)
+            assert _minor_faults() - before < 32 * MiB // 4096 // 4
+            assert engine.tensor[:4].tolist() == [1, 2, 3, 4]  # mapped in, not written
+        finally:
+            engine.close()
+    finally:
+        tier.close()
+
+
+def test_a_mapping_closed_while_it_is_prefaulted_stops_the_work_and_unmaps():
+    tier = HostTier(HostTierConfig(capacity_bytes=256 * MiB, name=f"kvstore-test-{uuid.uuid4().hex[:8]}", page_bytes=2 * MiB))
+    try:
+        engine = SharedSlab.attach(tier.path)
+        work = engine.prefault(0.0, "engine's mapping")
+        engine.close()  # joins the helper thread, which lets go of the mapping
+        assert work.done.is_set() and engine._mapping.closed
+    finally:
+        tier.close()

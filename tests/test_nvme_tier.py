@@ -661,3 +661,29 @@ def test_misuse_is_refused_with_a_sentence(tmp_path):
 def test_config_names_the_bad_field(tmp_path, overrides, field):
     with pytest.raises(InvalidArgument, match=f"NvmeTierConfig.{field}"):
         make_config(tmp_path, **overrides)
+
+
+def test_a_second_tier_on_the_same_directory_is_refused_until_the_first_closes(tmp_path):
+    # two owners of the same slot files would hand out the same slots twice
+    first = NvmeTier(make_config(tmp_path))
+    try:
+        with pytest.raises(TierUnavailable, match="another kvstore daemon uses the NVMe directory"):
+            NvmeTier(make_config(tmp_path))
+    finally:
+        first.close()
+    NvmeTier(make_config(tmp_path)).close()
+
+
+def test_the_default_capacity_is_a_tenth_of_free_disk_and_at_most_64_gib(tmp_path):
+    import shutil
+
+    from kvstore.config import _default_nvme_capacity
+
+    free = shutil.disk_usage(tmp_path).free
+    capacity = _default_nvme_capacity(tmp_path / "nvme")
+    assert capacity <= min(free // 10, 64 << 30) and capacity >= min(free // 10, 64 << 30) - (64 << 20)
+    # the slot files of a previous run count as free space, so a restart keeps its size
+    (tmp_path / "nvme").mkdir()
+    with open(tmp_path / "nvme" / "slots-000.dat", "wb") as leftover:
+        os.posix_fallocate(leftover.fileno(), 0, 256 * MiB)
+    assert abs(_default_nvme_capacity(tmp_path / "nvme") - capacity) <= 64 << 20

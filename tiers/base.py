@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import abc
 import ctypes
-from concurrent.futures import Future
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +27,7 @@ from kvstore.hashing import BlockHash
 from kvstore.tier_kind import TierKind
 from kvstore.tiers.slab import Slot
 
-__all__ = ["BlockMeta", "Tier", "TierStats", "block_checksum", "byte_view", "copy_bytes"]
+__all__ = ["BlockMeta", "Tier", "TierStats", "block_checksum", "checksums_beside", "byte_view", "copy_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,26 @@ def block_checksum(data: torch.Tensor) -> int:
     """XXH3-64 of a flat uint8 CPU tensor's bytes: what a block's writer commits, and what
     every copy of it is checked against (the NVMe tier and the transport use the same)."""
     return xxhash.xxh3_64_intdigest(memoryview(data.numpy()))
+
+
+def checksums_beside(buffers: Sequence[memoryview]) -> Future[list[int]]:
+    """The XXH3-64 of each buffer, taken on a helper thread while the caller goes on (xxhash
+    releases the GIL: a copy of the same bytes on this thread runs beside it, on a host
+    with a core to spare, at almost no cost). The caller keeps the buffers unchanged and
+    alive until the future is done."""
+    global _CHECKSUMMER
+    with _CHECKSUMMER_LOCK:
+        if _CHECKSUMMER is None:
+            _CHECKSUMMER = ThreadPoolExecutor(1, thread_name_prefix="kvstore-checksum")
+    return _CHECKSUMMER.submit(_checksums_of, list(buffers))
+
+
+def _checksums_of(buffers: list[memoryview]) -> list[int]:
+    return [xxhash.xxh3_64_intdigest(buffer) for buffer in buffers]
+
+
+_CHECKSUMMER: ThreadPoolExecutor | None = None
+_CHECKSUMMER_LOCK = threading.Lock()
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:

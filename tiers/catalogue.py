@@ -7,19 +7,32 @@ read both (see tiers/eviction.py). Children may arrive before their parent (a re
 recovers NVMe slots in any order, a transfer may land out of order): they wait, unreachable,
 until the parent is inserted and adopts them.
 
+Beside the entries, a dict per namespace maps each cached block's hash to the rank of its
+tier, so that the longest cached prefix of a chain arriving as one bytes string is found
+in C without a tuple, an entry or an attribute read per block (``prefix_ranks``, the
+lookup every engine request makes: ~25 µs for 512 blocks against ~65 µs for a walk of
+the entries); every insert, removal and change of tier (``relocate``) goes through here
+and keeps it in step.
+
 Owner: the tier manager, through tiers/residency.py (which keeps the eviction policies in
 step with it); not thread-safe.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 
-from kvstore.hashing import BlockHash
+import numpy as np
+
+from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.tier_kind import TierKind
 from kvstore.tiers.slab import Slot
 
 __all__ = ["BlockKey", "BlockEntry", "Catalogue"]
+
+_ABSENT = 255  # the rank byte of a block not cached (no tier has this rank)
+_HASHES = np.dtype(f"V{HASH_BYTES}")  # a void dtype keeps trailing zero bytes, which a bytes dtype would strip
 
 BlockKey = tuple[bytes, BlockHash]  # (namespace digest, chain hash)
 
@@ -101,6 +114,7 @@ class Catalogue:
         self._on_reclassify = on_reclassify
         self._entries: dict[BlockKey, BlockEntry] = {}
         self._waiting: dict[BlockKey, set[BlockEntry]] = {}
+        self._ranks: dict[bytes, dict[BlockHash, int]] = {}  # namespace -> block hash -> rank of its tier
         # the dict's own lookup: the hot paths (lookup, reserve) call it once per block
         self.get: Callable[[BlockKey], BlockEntry | None] = self._entries.get
 
@@ -113,6 +127,22 @@ class Catalogue:
     def __iter__(self) -> Iterator[BlockEntry]:
         """A snapshot, so callers may insert and remove while iterating."""
         return iter(list(self._entries.values()))
+
+    def prefix_ranks(self, namespace: bytes, chain: bytes) -> bytes:
+        """The tier rank (``TierKind.rank``) of each block of the longest cached prefix of
+        ``chain`` (16-byte block hashes, concatenated), one byte per block."""
+        ranks = self._ranks.get(namespace)
+        if ranks is None:
+            return b""
+        # numpy splits the chain in C; the dict is probed in C, a miss read as _ABSENT
+        found = bytes(map(ranks.get, np.frombuffer(chain, dtype=_HASHES).tolist(), itertools.repeat(_ABSENT)))
+        end = found.find(_ABSENT)
+        return found if end < 0 else found[:end]
+
+    def relocate(self, entry: BlockEntry, tier: TierKind, slot: Slot) -> None:
+        """The block now lives in ``tier``, at ``slot`` (a move ended)."""
+        entry.tier, entry.slot = tier, slot
+        self._ranks[entry.key[0]][entry.key[1]] = tier.rank
 
     def insert(self, entry: BlockEntry) -> None:
         assert entry.key not in self._entries, "a block is inserted once; callers check first"
@@ -130,6 +160,11 @@ class Catalogue:
             if parent_key is not None:
                 self._waiting.setdefault(parent_key, set()).add(entry)
         self._entries[entry.key] = entry
+        namespace, block_hash = entry.key
+        ranks = self._ranks.get(namespace)
+        if ranks is None:
+            ranks = self._ranks[namespace] = {}
+        ranks[block_hash] = entry.tier.rank
         adopted = self._waiting.pop(entry.key, None)
         if adopted:
             entry.children = adopted
@@ -140,6 +175,7 @@ class Catalogue:
 
     def remove(self, entry: BlockEntry) -> None:
         del self._entries[entry.key]
+        del self._ranks[entry.key[0]][entry.key[1]]
         parent = entry.parent
         if parent is not None:
             assert parent.children is not None and entry in parent.children

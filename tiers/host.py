@@ -4,7 +4,9 @@ The daemon creates ``<directory>/<name>`` (``/dev/shm`` by default), reserves it
 with ``posix_fallocate`` (so a full tmpfs is a clear error at start, never a SIGBUS on
 first touch) and maps it; an engine process maps the same file with
 ``SharedSlab.attach(path)`` and reads or writes slots as torch tensor views — the data
-path between engine and daemon is a memcpy, never a socket. An engine that copies
+path between engine and daemon is a memcpy, never a socket. Both sides map the slab's
+pages in when they open it (tiers/prefault.py), so that the first save into a fresh daemon
+does not pay a page fault per 4 KiB. An engine that copies
 between the slab and a GPU page-locks its own mapping (tiers/device.py says why the
 daemon does not).
 """
@@ -23,9 +25,14 @@ import torch
 from kvstore.errors import InvalidArgument, TierUnavailable
 from kvstore.tier_kind import TierKind
 from kvstore.tiers.memory import DEFAULT_PAGE_BYTES, MemoryTier
+from kvstore.tiers.prefault import Prefault
 from kvstore.tiers.slab import Slot
 
-__all__ = ["HostTierConfig", "HostTier", "SharedSlab"]
+__all__ = ["HostTierConfig", "HostTier", "SharedSlab", "PREFAULT_BUDGET_S"]
+
+# how long opening the tier may spend mapping its pages in before a helper thread takes
+# over: a slab of up to ~1 GiB is warm before the daemon serves, a larger one soon after
+PREFAULT_BUDGET_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +65,15 @@ class SharedSlab:
         # the creator keeps the file open with an exclusive flock for its whole life: a
         # file whose lock can be taken was left by a process that is gone
         self._owner_fd = owner_fd
+        self._prefault: Prefault | None = None
         self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+
+    def prefault(self, budget_s: float, what: str) -> Prefault:
+        """Map every page in ahead of first use: within ``budget_s`` now, the rest in the
+        background (tiers/prefault.py)."""
+        if self._prefault is None:
+            self._prefault = Prefault(self._mapping, budget_s, what)
+        return self._prefault
 
     @classmethod
     def create(cls, path: Path, nbytes: int, reclaim_stale: bool = False) -> SharedSlab:
@@ -136,6 +151,8 @@ class SharedSlab:
         return self.tensor[slot.offset : slot.offset + length]
 
     def close(self) -> None:
+        if self._prefault is not None:
+            self._prefault.stop()
         self.tensor = torch.empty(0, dtype=torch.uint8)
         try:
             self._mapping.close()
@@ -152,6 +169,7 @@ class HostTier(MemoryTier):
     def __init__(self, config: HostTierConfig) -> None:
         self.config = config
         self.shared = SharedSlab.create(config.path, config.capacity_bytes, config.reclaim_stale)
+        self.shared.prefault(PREFAULT_BUDGET_S, "host tier")
         super().__init__(TierKind.HOST, self.shared.tensor, config.page_bytes)
 
     @property

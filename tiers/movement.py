@@ -159,7 +159,7 @@ class Mover:
         error = move.future.exception()
         if error is None and residency.is_cached(entry) and entry.num_readers == 0:
             stack.free_quietly(move.src, move.src_slot)
-            entry.tier, entry.slot = move.dst, move.dst_slot
+            residency.catalogue.relocate(entry, move.dst, move.dst_slot)
             move.arrived = True
             self._events.append(BlockMoved(entry.key[0], (entry.key[1],), move.src, move.dst))
             direction = "promoted" if move.dst.rank < move.src.rank else "demoted"

@@ -184,6 +184,11 @@ class NvmeTier(Tier):
             raise
 
     # -- the Tier interface ---------------------------------------------------------
+    @property
+    def slot_paths(self) -> list[Path]:
+        """The slot files this tier holds open."""
+        return list(self._files.paths)
+
     def slot_bytes_for(self, nbytes: int) -> int:
         """Slot bytes a block of ``nbytes`` takes: the payload rounded up to 4 KiB plus its
         trailer. Compression shrinks reads, never the slot (slots are allocated first)."""

@@ -17,12 +17,16 @@ the 4 KiB trailer right after it are the iovecs of one ``pwritev`` or ``preadv``
 returned, and any such call serves every caller waiting for it, so concurrent writers
 share one sync instead of queueing one each.
 
+The first slot file carries an exclusive ``flock`` while the files are open: one daemon
+per directory (see ``kvstore clean``).
+
 Owner: the NVMe tier. Every method but ``close`` may run on several threads at once.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -56,6 +60,9 @@ class SlotFiles:
         self._local = threading.local()  # this thread's header and bounce buffers
         try:
             self.num_pages = self._open(num_pages)
+        except TierUnavailable:
+            self.close()
+            raise
         except OSError as exc:
             self.close()
             raise TierUnavailable(
@@ -153,12 +160,25 @@ class SlotFiles:
             if num_fitted == 0:
                 break
             self._fds.append(self._open_for_io(path))
+            if len(self._fds) == 1:
+                self._lock_directory(self._fds[0])
             self._group_syncs.append(_GroupSync(self._fds[-1]))
             self.paths.append(path)
             num_pages += num_fitted
             if num_fitted < num_here:
                 break
         return num_pages
+
+    def _lock_directory(self, fd: int) -> None:
+        """Hold an exclusive ``flock`` on the first slot file for this tier's whole life:
+        two daemons on one directory would each own the same slots, and ``kvstore clean``
+        tells a directory in use from one left behind by it."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise TierUnavailable(
+                f"another kvstore daemon uses the NVMe directory {self.directory}; give this one its own nvme.directory."
+            ) from None
 
     def _preallocate(self, fd: int, num_pages: int) -> int:
         """Reserve ``num_pages`` pages; on a full disk, as many whole pages as fit."""

@@ -1,0 +1,73 @@
+"""The catalogue's prefix lookup (the rank of each block's tier, from a chain as one bytes
+string) against a walk of its entries, through any sequence of inserts, moves and removals."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.hashing import chain_hashes
+from kvstore.tier_kind import TierKind
+from kvstore.tiers.catalogue import BlockEntry, Catalogue
+from kvstore.tiers.slab import Slot
+
+NAMESPACE, OTHER = b"n" * 16, b"o" * 16
+POOL = chain_hashes(np.arange(16 * 300), 16)
+TIERS = list(TierKind)
+
+
+def walked(catalogue: Catalogue, namespace: bytes, chain: list[bytes]) -> bytes:
+    ranks = bytearray()
+    for block_hash in chain:
+        entry = catalogue.get((namespace, block_hash))
+        if entry is None:
+            break
+        ranks.append(entry.tier.rank)
+    return bytes(ranks)
+
+
+def entry(namespace: bytes, index: int, tier: TierKind) -> BlockEntry:
+    parent = None if index == 0 else (namespace, POOL[index - 1])
+    return BlockEntry((namespace, POOL[index]), parent, tier, Slot(index * 64, 64), 64, 0.0)
+
+
+def test_prefix_ranks_follow_inserts_moves_and_removals() -> None:
+    catalogue = Catalogue(lambda entry: None)
+    entries = [entry(NAMESPACE, i, TierKind.HOST) for i in range(8)]
+    for e in entries:
+        catalogue.insert(e)
+    chain = b"".join(POOL[:10])
+    assert catalogue.prefix_ranks(NAMESPACE, chain) == bytes([TierKind.HOST.rank] * 8)
+    assert catalogue.prefix_ranks(OTHER, chain) == b""
+    assert catalogue.prefix_ranks(NAMESPACE, b"") == b""
+    catalogue.relocate(entries[5], TierKind.NVME, Slot(0, 4096))
+    assert entries[5].tier is TierKind.NVME and entries[5].slot == Slot(0, 4096)
+    assert catalogue.prefix_ranks(NAMESPACE, chain)[5] == TierKind.NVME.rank
+    catalogue.remove(entries[3])
+    assert catalogue.prefix_ranks(NAMESPACE, chain) == bytes([TierKind.HOST.rank] * 3)
+
+
+def test_a_hash_ending_in_zero_bytes_is_found() -> None:
+    catalogue = Catalogue(lambda entry: None)
+    block_hash = b"\x07" + bytes(15)
+    catalogue.insert(BlockEntry((NAMESPACE, block_hash), None, TierKind.HOST, Slot(0, 64), 64, 0.0))
+    assert catalogue.prefix_ranks(NAMESPACE, block_hash) == bytes([TierKind.HOST.rank])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["insert", "remove", "move"]), st.integers(0, 299), st.sampled_from(TIERS)), max_size=600))
+def test_prefix_ranks_match_a_walk_of_the_entries(operations) -> None:
+    catalogue = Catalogue(lambda entry: None)
+    held: dict[int, BlockEntry] = {}
+    for op, index, tier in operations:
+        if op == "insert" and index not in held:
+            held[index] = entry(NAMESPACE, index, tier)
+            catalogue.insert(held[index])
+        elif op == "remove" and index in held:
+            catalogue.remove(held.pop(index))
+        elif op == "move" and index in held:
+            catalogue.relocate(held[index], tier, held[index].slot)
+    for start in range(0, 300, 25):
+        chain = POOL[start : start + 80]
+        assert catalogue.prefix_ranks(NAMESPACE, b"".join(chain)) == walked(catalogue, NAMESPACE, chain)

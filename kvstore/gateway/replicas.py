@@ -1,0 +1,100 @@
+"""The engine replicas behind the router: health, served models, and the load the router
+itself puts on each (requests in flight, prompt tokens waiting for their first byte).
+
+A replica is a candidate while it is healthy: its ``/health`` answered 200 at the last
+check, and no request has since failed to connect to it. A failed connection takes it
+out at once; the next passing check brings it back.
+
+Owner: the router's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import httpx
+
+from kvstore.gateway.config import ReplicaConfig
+from kvstore.gateway.metrics import RouterMetrics
+from kvstore.index.scoring import Candidate
+
+__all__ = ["Replica", "ReplicaSet"]
+
+logger = logging.getLogger("kvstore.router")
+
+
+@dataclass(slots=True)
+class Replica:
+    config: ReplicaConfig
+    healthy: bool = False
+    models: tuple[str, ...] = ()
+    in_flight: int = 0
+    queued_tokens: int = 0  # prompt tokens of requests not answered yet, less their expected hits
+    num_prefilling: int = 0
+
+    @property
+    def node_id(self) -> str:
+        return self.config.node_id
+
+    def candidate(self) -> Candidate:
+        return Candidate(self.node_id, queued_tokens=self.queued_tokens, active_requests=self.in_flight - self.num_prefilling)
+
+
+@dataclass
+class ReplicaSet:
+    replicas: dict[str, Replica]
+    metrics: RouterMetrics
+
+    @classmethod
+    def of(cls, configs: Iterable[ReplicaConfig], metrics: RouterMetrics) -> ReplicaSet:
+        return cls({c.node_id: Replica(c) for c in configs}, metrics)
+
+    def candidates(self, excluded: set[str], role: str = "both") -> list[Candidate]:
+        return [
+            r.candidate()
+            for r in self.replicas.values()
+            if r.healthy and r.node_id not in excluded and (role == "both" or r.config.role in (role, "both"))
+        ]
+
+    def models(self) -> set[str]:
+        return {model for r in self.replicas.values() if r.healthy for model in r.models}
+
+    def healthy(self) -> list[Replica]:
+        """Healthy replicas, least loaded first."""
+        return sorted((r for r in self.replicas.values() if r.healthy), key=lambda r: (r.in_flight, r.node_id))
+
+    def mark_down(self, replica: Replica, why: str) -> None:
+        if replica.healthy:
+            logger.warning("kvstore router: replica %s (%s) taken out of rotation: %s", replica.node_id, replica.config.url, why)
+        replica.healthy = False
+        self.metrics.healthy.labels(replica.node_id).set(0)
+
+    async def check(self, client: httpx.AsyncClient, timeout_s: float) -> None:
+        await asyncio.gather(*(self._check_one(client, replica, timeout_s) for replica in self.replicas.values()))
+
+    async def run_checks(self, client: httpx.AsyncClient, interval_s: float, timeout_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.check(client, timeout_s)
+
+    async def _check_one(self, client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> None:
+        url = replica.config.url
+        try:
+            health = await client.get(f"{url}/health", timeout=timeout_s)
+            models = await client.get(f"{url}/v1/models", timeout=timeout_s) if health.status_code == 200 else None
+            ok = models is not None and models.status_code == 200
+            if ok:
+                replica.models = tuple(str(m.get("id")) for m in models.json().get("data", []) if isinstance(m, dict))
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        else:
+            why = f"/health answered {health.status_code}"
+        if ok and not replica.healthy:
+            logger.info("kvstore router: replica %s (%s) is healthy, serving %s", replica.node_id, url, ", ".join(replica.models))
+            replica.healthy = True
+        elif not ok:
+            self.mark_down(replica, why)
+        self.metrics.healthy.labels(replica.node_id).set(1 if replica.healthy else 0)

@@ -93,8 +93,8 @@ class RouterProcess:
 def start_router(workdir: Path, name: str, model: Path, redis_url: str, replicas: list[Replica], **settings) -> RouterProcess:
     port = free_port()
     namespace = {"model_id": str(model), "num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "bfloat16", "block_size": BLOCK}
-    lines = ["[router]", f'index = "{redis_url}"', f"port = {port}", "health_interval_s = 0.5"]
-    lines += [f"{key} = {json.dumps(value)}" for key, value in settings.items()]
+    settings = {"index": redis_url, "port": port, "health_interval_s": 0.5, **settings}
+    lines = ["[router]", *(f"{key} = {json.dumps(value)}" for key, value in settings.items())]
     lines += ["[router.namespace]", *(f"{key} = {json.dumps(value)}" for key, value in namespace.items())]
     for replica in replicas:
         lines += ["[[router.replicas]]", f'url = "{replica.url}"', f'node_id = "{replica.node_id}"']

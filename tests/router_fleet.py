@@ -61,6 +61,7 @@ def engine_namespace(model: Path) -> Namespace:
 class Replica:
     daemon: Daemon
     server: ApiServer
+    role: str = "both"  # the router's name for it: both, prefill (kv_producer) or decode (kv_consumer)
 
     @property
     def node_id(self) -> str:
@@ -97,7 +98,7 @@ def start_router(workdir: Path, name: str, model: Path, redis_url: str, replicas
     lines = ["[router]", *(f"{key} = {json.dumps(value)}" for key, value in settings.items())]
     lines += ["[router.namespace]", *(f"{key} = {json.dumps(value)}" for key, value in namespace.items())]
     for replica in replicas:
-        lines += ["[[router.replicas]]", f'url = "{replica.url}"', f'node_id = "{replica.node_id}"']
+        lines += ["[[router.replicas]]", f'url = "{replica.url}"', f'node_id = "{replica.node_id}"', f'role = "{replica.role}"']
     lines += ["[routing]", "remote_fetch = false"]
     config = workdir / f"{name}.toml"
     config.write_text("\n".join(lines) + "\n")
@@ -120,13 +121,18 @@ def start_router(workdir: Path, name: str, model: Path, redis_url: str, replicas
         time.sleep(0.3)
 
 
-def start_servers(model: Path, workdir: Path, daemons: list[Daemon]) -> list[Replica]:
+_CONNECTOR_ROLES = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+def start_servers(model: Path, workdir: Path, daemons: list[Daemon], roles: list[str] | None = None) -> list[Replica]:
     """One vLLM OpenAI server per daemon, started in parallel (each takes most of a minute)."""
+    roles = roles or ["both"] * len(daemons)
     servers: dict[int, ApiServer] = {}
     errors: list[BaseException] = []
 
     def start(i: int, daemon: Daemon) -> None:
-        connector = {"name": "KVStoreConnector", "module": "kvstore.connectors.vllm", "extra": {"socket_path": str(daemon.socket)}}
+        extra = {"socket_path": str(daemon.socket)} | ({"handoff_timeout_s": 30} if roles[i] == "decode" else {})
+        connector = {"name": "KVStoreConnector", "module": "kvstore.connectors.vllm", "role": _CONNECTOR_ROLES[roles[i]], "extra": extra}
         plan = {"model": str(model), "block_size": BLOCK, "max_model_len": 4096, "connector": connector}
         try:
             servers[i] = ApiServer(plan, workdir, f"replica-{daemon.node_id}", free_port(), timeout_s=400)
@@ -142,7 +148,7 @@ def start_servers(model: Path, workdir: Path, daemons: list[Daemon]) -> list[Rep
         for server in servers.values():
             server.kill()
         raise errors[0]
-    return [Replica(daemon, servers[i]) for i, daemon in enumerate(daemons)]
+    return [Replica(daemon, servers[i], roles[i]) for i, daemon in enumerate(daemons)]
 
 
 @dataclass

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +43,7 @@ from starlette.routing import Route
 from kvstore.config import IndexConfig
 from kvstore.errors import KVStoreError
 from kvstore.gateway.config import RouterConfig
+from kvstore.gateway.disagg import decode_transfer_params, prefill_request
 from kvstore.gateway.metrics import RouterMetrics
 from kvstore.gateway.prompts import BadRequest, prompt_token_ids, session_of, tokenize_request, tokens_digest
 from kvstore.gateway.replicas import Replica, ReplicaSet
@@ -65,6 +68,7 @@ class _Routed:
     decision: RouteDecision
     upstream: httpx.Response
     started: float
+    prefill_node_id: str = ""  # prefill/decode disaggregation: where the prompt was computed
 
 
 class _NoReplica(Exception):
@@ -143,10 +147,16 @@ class Gateway:
         tenant = self._tenant(request)
         headers = {k: v for k, v in request.headers.items() if k in _PASSED_REQUEST_HEADERS}
         try:
-            routed = await self._send(path, body, headers, token_ids, hashes, session.session_id if session else "")
+            session_id = session.session_id if session else ""
+            if self.replicas.disaggregated():
+                routed = await self._disaggregated(path, payload, headers, token_ids, hashes, session_id, tenant)
+            else:
+                routed = await self._send(path, body, headers, token_ids, hashes, session_id)
         except _NoReplica as exc:
             self.metrics.requests.labels("none", "503").inc()
             return openai_error(503, str(exc), "service_unavailable")
+        except _Upstream as exc:  # the prefill replica's own 4xx
+            return Response(exc.response.content, exc.response.status_code, media_type=exc.response.headers.get("content-type"))
         except KVStoreError as exc:  # the index or session store cannot answer
             self.metrics.requests.labels("none", "503").inc()
             return openai_error(503, f"The router cannot reach its index: {exc}", "service_unavailable")
@@ -159,6 +169,8 @@ class Gateway:
         }
         if session is not None:
             info["x-kvstore-session"] = session.session_id
+        if routed.prefill_node_id:
+            info["x-kvstore-prefill-replica"] = routed.prefill_node_id
         self.metrics.expected_cached_tokens.labels(routed.replica.node_id).inc(routed.decision.expected_cached_tokens)
         if stream and routed.upstream.status_code == 200:
             return StreamingResponse(
@@ -227,12 +239,22 @@ class Gateway:
             return tokens
         raise _NoReplica("No engine replica could tokenize the prompt; retry once one is healthy.")
 
-    async def _send(self, path: str, body: bytes, headers: dict[str, str], token_ids: list[int], hashes, session_id: str) -> _Routed:
+    async def _send(
+        self,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        token_ids: list[int],
+        hashes,
+        session_id: str,
+        roles: tuple[str, ...] = ("both", "prefill", "decode"),
+        excluded: set[str] | None = None,
+    ) -> _Routed:
         ns = self.config.namespace
-        excluded: set[str] = set()
+        excluded = set() if excluded is None else excluded
         failures: list[str] = []
         for _attempt in range(self.config.max_attempts):
-            candidates = self.replicas.candidates(excluded)
+            candidates = self.replicas.candidates(excluded, roles)
             if not candidates:
                 break
             note = f"retry after {'; '.join(failures)}" if failures else ""
@@ -276,6 +298,44 @@ class Gateway:
             return routed
         tried = "; ".join(failures) if failures else "none is healthy"
         raise _NoReplica(f"No engine replica could serve the request ({tried}); retry shortly.")
+
+    async def _disaggregated(
+        self, path: str, payload: dict[str, Any], headers: dict[str, str], token_ids: list[int], hashes, session_id: str, tenant: str
+    ) -> _Routed:
+        """The two-step flow of the vLLM connector's kv_producer / kv_consumer: the prompt
+        is computed on the prefill replica its prefix costs least on (the session sticks
+        there: that is where its chain lives), which hands its KV, layer by layer, to the
+        least-loaded decode replica's daemon; the decode replica then answers the client.
+        A decode replica that fails before answering is replaced by another, which
+        recomputes the prompt (the connector's fallback, as for a handoff that never comes)."""
+        decoders = sorted(self.replicas.candidates(set(), ("decode",)), key=lambda c: (c.active_requests + c.queued_tokens, c.node_id))
+        if not decoders:
+            raise _NoReplica("No decode replica is healthy; retry once one is back.")
+        decoder = self.replicas.replicas[decoders[0].node_id]
+        addresses = {node.node_id: node.transport_address for node in await self.index.nodes()}
+        destination = addresses.get(decoder.node_id, "")
+        if not destination:
+            raise _NoReplica(f"The decode replica {decoder.node_id}'s daemon is not in the index; retry shortly.")
+        transfer_id = f"kvstore-router-{uuid.uuid4().hex}"
+        prefill_body = json.dumps(prefill_request(payload, transfer_id, destination)).encode()
+        prefill = await self._send(path, prefill_body, headers, token_ids, hashes, session_id, roles=("prefill",))
+        try:
+            content = await prefill.upstream.aread()
+        finally:
+            await prefill.upstream.aclose()
+            self._finish(prefill)
+        self._observe(prefill, tenant, stream=False, usage=_usage_of(content))
+        if prefill.upstream.status_code != 200:
+            raise _Upstream(prefill.upstream)
+        params = decode_transfer_params(content)
+        decode_body = json.dumps({**payload, "kv_transfer_params": params} if params else payload).encode()
+        others = {r.node_id for r in self.replicas.replicas.values() if r.node_id != decoder.node_id}
+        try:
+            routed = await self._send(path, decode_body, headers, token_ids, [], "", roles=("decode",), excluded=others)
+        except _NoReplica:  # the handoff's destination failed: another decode replica computes the prompt
+            original = json.dumps(payload).encode()
+            routed = await self._send(path, original, headers, token_ids, hashes, "", roles=("decode",), excluded={decoder.node_id})
+        return dataclasses.replace(routed, prefill_node_id=prefill.replica.node_id)
 
     def _release(self, replica: Replica, uncached: int) -> None:
         replica.in_flight -= 1

@@ -52,12 +52,13 @@ class ReplicaSet:
     def of(cls, configs: Iterable[ReplicaConfig], metrics: RouterMetrics) -> ReplicaSet:
         return cls({c.node_id: Replica(c) for c in configs}, metrics)
 
-    def candidates(self, excluded: set[str], role: str = "both") -> list[Candidate]:
-        return [
-            r.candidate()
-            for r in self.replicas.values()
-            if r.healthy and r.node_id not in excluded and (role == "both" or r.config.role in (role, "both"))
-        ]
+    def candidates(self, excluded: set[str], roles: tuple[str, ...] = ("both", "prefill", "decode")) -> list[Candidate]:
+        return [r.candidate() for r in self.replicas.values() if r.healthy and r.node_id not in excluded and r.config.role in roles]
+
+    def disaggregated(self) -> bool:
+        """Prefill and decode run on different replicas: some are marked each way."""
+        roles = {r.config.role for r in self.replicas.values()}
+        return "prefill" in roles and "decode" in roles
 
     def models(self) -> set[str]:
         return {model for r in self.replicas.values() if r.healthy for model in r.models}

@@ -16,6 +16,7 @@ from kvstore.config import ConfigError, load_config
 from kvstore.gateway.config import ReplicaConfig, load_router_config
 from kvstore.gateway.metrics import OTHER_TENANT, RouterMetrics, TenantLabels
 from kvstore.gateway.prompts import BadRequest, prompt_token_ids, session_of, tokenize_request, tokens_digest
+from kvstore.gateway.replicas import Replica, engine_queue
 from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
@@ -168,3 +169,20 @@ def test_hit_rates_per_replica_and_their_spread():
     assert value("kvstore_router_hit_rate_spread", {"stat": "std"}) == pytest.approx(0.25)
     assert value("kvstore_router_hit_rate_spread", {"stat": "cv"}) == pytest.approx(0.25 / 0.35)
     assert value("kvstore_router_tenant_prefill_tokens_total", {"tenant": "t"}) == 220
+
+
+def test_the_engines_own_queue_counts_in_a_replicas_load():
+    exposition = "\n".join(
+        [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0',
+            'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 7.0',
+            "vllm:prompt_tokens_total 900.0",
+        ]
+    )
+    assert engine_queue(exposition) == 5
+    replica = Replica(ReplicaConfig("http://10.0.0.1:8000", "gpu-1"), healthy=True, in_flight=2, num_prefilling=1)
+    assert replica.candidate().active_requests == 1  # only what the router sent
+    replica.engine_requests = engine_queue(exposition)
+    assert replica.candidate().active_requests == 3  # three more than the router's own two

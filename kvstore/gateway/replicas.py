@@ -21,7 +21,24 @@ from kvstore.gateway.config import ReplicaConfig
 from kvstore.gateway.metrics import RouterMetrics
 from kvstore.index.scoring import Candidate
 
-__all__ = ["Replica", "ReplicaSet"]
+__all__ = ["Replica", "ReplicaSet", "engine_queue"]
+
+# vLLM's gauges (SGLang's are sglang:num_running_reqs / sglang:num_queue_reqs)
+_QUEUE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "sglang:num_running_reqs", "sglang:num_queue_reqs")
+
+
+def engine_queue(exposition: str) -> int:
+    """Requests running and waiting on an engine, from its Prometheus text."""
+    total = 0.0
+    for line in exposition.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in _QUEUE_GAUGES:
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return int(total)
+
 
 logger = logging.getLogger("kvstore.router")
 
@@ -34,13 +51,17 @@ class Replica:
     in_flight: int = 0
     queued_tokens: int = 0  # prompt tokens of requests not answered yet, less their expected hits
     num_prefilling: int = 0
+    engine_requests: int = 0  # running + waiting, as the engine's own /metrics last said (other clients' too)
 
     @property
     def node_id(self) -> str:
         return self.config.node_id
 
     def candidate(self) -> Candidate:
-        return Candidate(self.node_id, queued_tokens=self.queued_tokens, active_requests=self.in_flight - self.num_prefilling)
+        """Its load for the cost model: what the router sent it, or what the engine reports
+        when that is more (traffic that reached it some other way)."""
+        active = max(self.in_flight - self.num_prefilling, self.engine_requests - self.in_flight)
+        return Candidate(self.node_id, queued_tokens=self.queued_tokens, active_requests=max(active, 0))
 
 
 @dataclass
@@ -89,6 +110,9 @@ class ReplicaSet:
             ok = models is not None and models.status_code == 200
             if ok:
                 replica.models = tuple(str(m.get("id")) for m in models.json().get("data", []) if isinstance(m, dict))
+                engine_metrics = await client.get(f"{url}/metrics", timeout=timeout_s)
+                if engine_metrics.status_code == 200:
+                    replica.engine_requests = engine_queue(engine_metrics.text)
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             ok, why = False, f"{type(exc).__name__}: {exc}"
         else:

@@ -18,8 +18,8 @@ import time
 import httpx
 import pytest
 from daemon_harness import daemons
-from router_fleet import BLOCK, Answer, digest_of, model_with_chat_template, post, start_router, start_servers, stream
 
+from bench.router_fleet import BLOCK, Answer, digest_of, model_with_chat_template, post, start_router, start_servers, stream
 from bench.vllm_engine import VLLM_PYTHON
 from kvstore.index.redis import RedisSessionStore
 

@@ -10,8 +10,8 @@ import re
 
 import pytest
 from daemon_harness import daemons
-from router_fleet import BLOCK, model_with_chat_template, post, start_router, start_servers, stream
 
+from bench.router_fleet import BLOCK, model_with_chat_template, post, start_router, start_servers, stream
 from bench.vllm_engine import VLLM_PYTHON
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

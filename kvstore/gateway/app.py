@@ -178,6 +178,10 @@ class Gateway:
             )
         try:
             content = await routed.upstream.aread()
+        except httpx.HTTPError as exc:  # it failed after answering: too late to send the request elsewhere
+            self.metrics.requests.labels(routed.replica.node_id, "502").inc()
+            message = f"The replica {routed.replica.node_id} failed while answering ({type(exc).__name__}); retry the request."
+            return openai_error(502, message, "upstream_error")
         finally:
             await routed.upstream.aclose()
             self._finish(routed)

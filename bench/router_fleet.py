@@ -1,4 +1,4 @@
-"""A real fleet for the router's tests: Redis, a kvstore daemon per replica (all on that
+"""A real fleet for the router's tests and bench.fleet: Redis, a kvstore daemon per replica (all on that
 Redis index), a vLLM OpenAI server per replica with the kvstore connector, and
 `kvstore router` processes in front of them.
 
@@ -17,9 +17,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import httpx
-from daemon_harness import Daemon
 
 from bench.vllm_engine import ApiServer, build_model
 from kvstore.gateway.prompts import tokens_digest
@@ -27,6 +27,17 @@ from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 
 BLOCK = 32
+
+
+class Daemon(Protocol):
+    """A running `kvstore serve` (tests/daemon_harness.py's, or bench.fleet's)."""
+
+    node_id: str
+
+    @property
+    def socket(self) -> Path: ...
+
+
 CHAT_TEMPLATE = (
     "{%- if tools %}[TOOLS]{{ tools | tojson }}[/TOOLS]{%- endif %}"
     "{%- for message in messages %}<|{{ message['role'] }}|>"

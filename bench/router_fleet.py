@@ -102,15 +102,28 @@ class RouterProcess:
         return httpx.get(f"{self.url}/metrics", timeout=10).text
 
 
-def start_router(workdir: Path, name: str, model: Path, redis_url: str, replicas: list[Replica], **settings) -> RouterProcess:
+def start_router(
+    workdir: Path, name: str, model: Path, redis_url: str, replicas: list[Replica], routing: dict | None = None, **settings
+) -> RouterProcess:
+    """`kvstore router` in front of ``replicas``, with ``settings`` in [router] and ``routing``
+    (the cost model's speeds) in [routing]."""
     port = free_port()
-    namespace = {"model_id": str(model), "num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "bfloat16", "block_size": BLOCK}
+    geometry = json.loads((model / "config.json").read_text())  # a Llama of bench.vllm_model, served in bf16
+    namespace = {
+        "model_id": str(model),
+        "num_layers": geometry["num_hidden_layers"],
+        "num_kv_heads": geometry["num_key_value_heads"],
+        "head_dim": geometry["head_dim"],
+        "dtype": "bfloat16",
+        "block_size": BLOCK,
+    }
     settings = {"index": redis_url, "port": port, "health_interval_s": 0.5, **settings}
     lines = ["[router]", *(f"{key} = {json.dumps(value)}" for key, value in settings.items())]
     lines += ["[router.namespace]", *(f"{key} = {json.dumps(value)}" for key, value in namespace.items())]
     for replica in replicas:
         lines += ["[[router.replicas]]", f'url = "{replica.url}"', f'node_id = "{replica.node_id}"', f'role = "{replica.role}"']
-    lines += ["[routing]", "remote_fetch = false"]
+    routing = {"remote_fetch": False, **(routing or {})}
+    lines += ["[routing]", *(f"{key} = {json.dumps(value)}" for key, value in routing.items())]
     config = workdir / f"{name}.toml"
     config.write_text("\n".join(lines) + "\n")
     log = workdir / f"{name}.log"

@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml Makefile
 	if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi >/dev/null 2>&1; then \
 		$(PY) -m pip install --quiet "$(TORCH_CPU_SPEC)" $(TORCH_PIP_ARGS); \
 	fi
-	$(PY) -m pip install --quiet -e '.[dev,ucx]'
+	$(PY) -m pip install --quiet -e '.[dev,ucx,router]'
 	touch $@
 
 # ruff: lint and format (configured in pyproject.toml); `make format` rewrites in place
@@ -55,6 +55,7 @@ bench: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 	$(PY) -m bench.chaos
 	$(ENGINES_PY) -m bench.lmcache
 	$(PY) -m bench.e2e_vllm
+	$(PY) -m bench.fleet
 
 bench-quick: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 	$(PY) -m bench.tiers --quick

@@ -538,5 +538,57 @@ def _message_document(response) -> dict:
     return document
 
 
+@main.command()
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="KVSTORE_CONFIG",
+    help="TOML file with a [router] section.",
+)
+@click.option("--host", help="address to listen on (router.host).")
+@click.option("--port", type=int, help="port to listen on (router.port).")
+@click.option("--index", help="the redis:// index the replicas' daemons publish to (router.index).")
+@click.option(
+    "--replica", "replicas", multiple=True, metavar="URL=NODE_ID", help="an engine replica and its daemon's node id (repeatable)."
+)
+@click.option("--set", "settings", multiple=True, metavar="FIELD=VALUE", help="override one router.FIELD setting (repeatable).")
+def router(
+    config_path: Path | None, host: str | None, port: int | None, index: str | None, replicas: tuple[str, ...], settings: tuple[str, ...]
+) -> None:
+    """Run the OpenAI-compatible HTTP router in front of engine replicas (until SIGTERM).
+
+    It serves /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics,
+    sends each request to the replica whose cache holds most of its prefix (the cost
+    model of `Index.Route`), keeps sessions on their replica, and retries another when
+    one fails before answering. Needs the [router] extra (pip install 'kvstore[router]').
+    """
+    try:
+        from kvstore.gateway import ReplicaConfig, load_router_config, run_router
+    except ImportError as exc:
+        _fail(f"the router needs its extra: pip install 'kvstore[router]' ({exc}).", EXIT_USAGE)
+    overrides: dict[str, Any] = {}
+    for pair in settings:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            _fail(f"--set expects FIELD=VALUE (a router setting), got {pair!r}.", EXIT_USAGE)
+        overrides[name.strip().removeprefix("router.")] = value
+    for name, value in (("host", host), ("port", port), ("index", index)):
+        if value is not None:
+            overrides[name] = value
+    try:
+        given = []
+        for pair in replicas:
+            url, sep, node_id = pair.rpartition("=")
+            if not sep:
+                _fail(f"--replica expects URL=NODE_ID, got {pair!r}.", EXIT_USAGE)
+            given.append(ReplicaConfig(url, node_id))
+        config = load_router_config(config_path, overrides, given)
+    except KVStoreError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    click.echo(f"kvstore router on http://{config.host}:{config.port} in front of {', '.join(r.url for r in config.replicas)}", err=True)
+    run_router(config)
+
+
 if __name__ == "__main__":
     main()

@@ -235,6 +235,8 @@ _SECTIONS = {
     "transport": TransportConfig,
 }
 _EXTRA_NVME_KEYS = {"enabled"}
+# sections of the same file that other kvstore processes read: `kvstore router`'s
+_OTHER_SECTIONS = {"router"}
 
 
 def _fields(section: str) -> dict[str, dataclasses.Field]:
@@ -279,6 +281,8 @@ def _as_bool(raw: Any, where: str) -> bool:
 
 def _merge(target: dict[str, dict[str, Any]], source: Mapping[str, Any], origin: str) -> None:
     for section, values in source.items():
+        if section in _OTHER_SECTIONS:
+            continue
         if section not in _SECTIONS:
             raise ConfigError(f"{origin}: unknown section [{section}]; known sections: {', '.join(_SECTIONS)}.")
         if not isinstance(values, Mapping):
@@ -296,6 +300,8 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
         if not key.startswith("KVSTORE_") or key in ("KVSTORE_CONFIG", "KVSTORE_ADDRESS", "KVSTORE_TOKEN"):
             continue
         section, _, name = key[len("KVSTORE_") :].lower().partition("_")
+        if section in _OTHER_SECTIONS:
+            continue
         if section not in _SECTIONS:
             raise ConfigError(f"environment variable {key}: unknown section {section!r}; known: {', '.join(_SECTIONS)}.")
         found[section][name] = value

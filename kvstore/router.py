@@ -10,6 +10,7 @@ Owner: the daemon's event loop.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -46,7 +47,10 @@ class _Chain:
 
 
 class Router:
-    def __init__(self, node: Node, index: Index, sessions: SessionStore, config: RoutingConfig) -> None:
+    """``node`` resolves a namespace's block size for `route` and `match` by token ids; the
+    HTTP router (kvstore/gateway) has none and calls `route_chain` with its own hashes."""
+
+    def __init__(self, node: Node | None, index: Index, sessions: SessionStore, config: RoutingConfig) -> None:
         self.node = node
         self.index = index
         self.sessions = sessions
@@ -67,23 +71,38 @@ class Router:
         if len({c.node_id for c in candidates}) != len(candidates):
             raise InvalidArgument("each candidate node may appear once.")
         chain = self._chain(namespace, token_ids)
-        matches = await self.index.match(namespace, chain.hashes, [c.node_id for c in candidates]) if chain.hashes else []
+        return await self.route_chain(
+            namespace, chain.hashes, chain.num_tokens, chain.block_size, chain.block_bytes, session_id, candidates
+        )
+
+    async def route_chain(
+        self,
+        namespace: bytes,
+        hashes: Sequence[BlockHash],
+        num_tokens: int,
+        block_size: int,
+        block_bytes: int,
+        session_id: str,
+        candidates: Sequence[Candidate],
+        note: str = "",
+    ) -> RouteDecision:
+        """`route` for a caller that hashed the prompt itself (the HTTP router knows the
+        engines' namespace without a daemon of its own registering it). A ``note`` (why
+        the request is routed again, say) leads the decision's reason, as recorded with
+        the session's move."""
+        matches = await self.index.match(namespace, hashes, [c.node_id for c in candidates]) if hashes else []
         affinity = await self.sessions.get(session_id) if session_id else None
         decision = route(
-            candidates,
-            {m.node_id: m for m in matches},
-            chain.num_tokens,
-            chain.block_size,
-            chain.block_bytes,
-            self.model,
-            affinity,
-            self.policy,
-            session_id,
+            candidates, {m.node_id: m for m in matches}, num_tokens, block_size, block_bytes, self.model, affinity, self.policy, session_id
         )
+        if note:
+            decision = dataclasses.replace(decision, reason=f"{note}; {decision.reason}")
         if session_id:
             await self.sessions.put(session_id, decision.node_id, self.config.session_ttl_s, decision.moved_from, decision.reason)
         return decision
 
     def _chain(self, namespace: bytes, token_ids: Sequence[int]) -> _Chain:
+        if self.node is None:
+            raise InvalidArgument("this router was built without a node: give it block hashes (route_chain), not token ids.")
         known = self.node.namespace(namespace)  # token ids need the namespace's block size
         return _Chain(self.node.hashes_for_tokens(namespace, token_ids), len(token_ids), known.block_size, known.block_bytes)

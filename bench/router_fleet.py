@@ -1,0 +1,214 @@
+"""A real fleet for the router's tests and bench.fleet: Redis, a kvstore daemon per replica (all on that
+Redis index), a vLLM OpenAI server per replica with the kvstore connector, and
+`kvstore router` processes in front of them.
+
+The tiny model bench.vllm_model builds has no chat template; the one written here into
+its tokenizer_config.json renders every message, tool calls and the tools, so a router
+that tokenized only some of them would hash other tokens than the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+
+from bench.vllm_engine import ApiServer, build_model
+from kvstore.gateway.prompts import tokens_digest
+from kvstore.layout import KVLayout
+from kvstore.namespace import Namespace
+
+BLOCK = 32
+
+
+class Daemon(Protocol):
+    """A running `kvstore serve` (tests/daemon_harness.py's, or bench.fleet's)."""
+
+    node_id: str
+
+    @property
+    def socket(self) -> Path: ...
+
+
+CHAT_TEMPLATE = (
+    "{%- if tools %}[TOOLS]{{ tools | tojson }}[/TOOLS]{%- endif %}"
+    "{%- for message in messages %}<|{{ message['role'] }}|>"
+    "{%- if message['content'] is string %}{{ message['content'] }}{%- endif %}"
+    "{%- if message.get('tool_calls') %}[CALLS]{{ message['tool_calls'] | tojson }}{%- endif %}</s>"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{%- endif %}"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def model_with_chat_template(directory: Path) -> Path:
+    model = build_model(directory, "tiny")
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return model
+
+
+def engine_namespace(model: Path) -> Namespace:
+    """What the connector derives for the tiny model (bf16, HND planes)."""
+    return Namespace(str(model), KVLayout(2, 2, 64, BLOCK, "bfloat16", 2, "HND"))
+
+
+@dataclass
+class Replica:
+    daemon: Daemon
+    server: ApiServer
+    role: str = "both"  # the router's name for it: both, prefill (kv_producer) or decode (kv_consumer)
+
+    @property
+    def node_id(self) -> str:
+        return self.daemon.node_id
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+
+@dataclass
+class RouterProcess:
+    url: str
+    process: subprocess.Popen
+    log: Path
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=10).text
+
+
+def start_router(
+    workdir: Path, name: str, model: Path, redis_url: str, replicas: list[Replica], routing: dict | None = None, **settings
+) -> RouterProcess:
+    """`kvstore router` in front of ``replicas``, with ``settings`` in [router] and ``routing``
+    (the cost model's speeds) in [routing]."""
+    port = free_port()
+    geometry = json.loads((model / "config.json").read_text())  # a Llama of bench.vllm_model, served in bf16
+    namespace = {
+        "model_id": str(model),
+        "num_layers": geometry["num_hidden_layers"],
+        "num_kv_heads": geometry["num_key_value_heads"],
+        "head_dim": geometry["head_dim"],
+        "dtype": "bfloat16",
+        "block_size": BLOCK,
+    }
+    settings = {"index": redis_url, "port": port, "health_interval_s": 0.5, **settings}
+    lines = ["[router]", *(f"{key} = {json.dumps(value)}" for key, value in settings.items())]
+    lines += ["[router.namespace]", *(f"{key} = {json.dumps(value)}" for key, value in namespace.items())]
+    for replica in replicas:
+        lines += ["[[router.replicas]]", f'url = "{replica.url}"', f'node_id = "{replica.node_id}"', f'role = "{replica.role}"']
+    routing = {"remote_fetch": False, **(routing or {})}
+    lines += ["[routing]", *(f"{key} = {json.dumps(value)}" for key, value in routing.items())]
+    config = workdir / f"{name}.toml"
+    config.write_text("\n".join(lines) + "\n")
+    log = workdir / f"{name}.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", "router", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT
+        )
+    router = RouterProcess(f"http://127.0.0.1:{port}", process, log)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{router.url}/health", timeout=2).status_code == 200:
+                return router
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            router.stop()
+            raise RuntimeError(f"the router did not come up:\n{log.read_text()[-4000:]}")
+        time.sleep(0.3)
+
+
+_CONNECTOR_ROLES = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+def start_servers(model: Path, workdir: Path, daemons: list[Daemon], roles: list[str] | None = None) -> list[Replica]:
+    """One vLLM OpenAI server per daemon, started in parallel (each takes most of a minute)."""
+    roles = roles or ["both"] * len(daemons)
+    servers: dict[int, ApiServer] = {}
+    errors: list[BaseException] = []
+
+    def start(i: int, daemon: Daemon) -> None:
+        extra = {"socket_path": str(daemon.socket)} | ({"handoff_timeout_s": 30} if roles[i] == "decode" else {})
+        connector = {"name": "KVStoreConnector", "module": "kvstore.connectors.vllm", "role": _CONNECTOR_ROLES[roles[i]], "extra": extra}
+        plan = {"model": str(model), "block_size": BLOCK, "max_model_len": 4096, "connector": connector}
+        try:
+            servers[i] = ApiServer(plan, workdir, f"replica-{daemon.node_id}", free_port(), timeout_s=400)
+        except BaseException as exc:  # noqa: BLE001 (re-raised below, in the caller's thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(i, d)) for i, d in enumerate(daemons)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        for server in servers.values():
+            server.kill()
+        raise errors[0]
+    return [Replica(daemon, servers[i], roles[i]) for i, daemon in enumerate(daemons)]
+
+
+@dataclass
+class Answer:
+    status: int
+    body: dict
+    headers: httpx.Headers
+    events: list[dict] = field(default_factory=list)  # a stream's data events, in order
+
+    @property
+    def replica(self) -> str:
+        return self.headers.get("x-kvstore-replica", "")
+
+    @property
+    def cached_tokens(self) -> int:
+        usage = self.body.get("usage") or {}
+        return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def post(url: str, path: str, payload: dict, headers: dict | None = None, timeout_s: float = 120) -> Answer:
+    response = httpx.post(f"{url}{path}", json=payload, headers=headers or {}, timeout=timeout_s)
+    try:
+        body = response.json()
+    except ValueError:
+        body = {"raw": response.text}
+    return Answer(response.status_code, body, response.headers)
+
+
+def stream(url: str, path: str, payload: dict, headers: dict | None = None, timeout_s: float = 120) -> Answer:
+    events: list[dict] = []
+    with httpx.stream("POST", f"{url}{path}", json={**payload, "stream": True}, headers=headers or {}, timeout=timeout_s) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: ") :]))
+        return Answer(response.status_code, {}, response.headers, events)
+
+
+def digest_of(token_ids: list[int]) -> str:
+    return tokens_digest(token_ids)

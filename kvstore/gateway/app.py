@@ -1,0 +1,453 @@
+"""`kvstore router`: an OpenAI-compatible HTTP front door for engine replicas.
+
+For each ``/v1/completions`` or ``/v1/chat/completions`` request the router
+
+1. checks it (size, JSON, model) without touching an engine;
+2. gets its token ids as the engine computes them (prompts.py) and hashes them into the
+   chain of block keys of the engines' namespace (kvstore.hashing.chain_hashes, the
+   function the connectors hash with);
+3. asks the block-location index which replica holds how much of the chain, in which
+   tier, and lets the production cost model (kvstore.router.Router over
+   kvstore.index.scoring) choose, with the load the router tracks and the session's
+   affinity (kept in the index backend, so router replicas agree);
+4. forwards the body untouched and streams the answer back chunk by chunk.
+
+A replica that refuses the connection, times out before its first byte, or answers 5xx
+is excluded and the request routed again, at most ``max_attempts`` replicas in all; the
+session moves with the failure named in the recorded reason. Once a byte has gone to the
+client the answer is the engine's, whatever happens.
+
+Owner: one asyncio event loop (uvicorn's); nothing here is shared across threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import xxhash
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvstore.config import IndexConfig
+from kvstore.errors import KVStoreError
+from kvstore.gateway.config import RouterConfig
+from kvstore.gateway.disagg import decode_transfer_params, prefill_request
+from kvstore.gateway.metrics import RouterMetrics
+from kvstore.gateway.prompts import BadRequest, prompt_token_ids, session_of, tokenize_request, tokens_digest
+from kvstore.gateway.replicas import Replica, ReplicaSet
+from kvstore.hashing import chain_hashes
+from kvstore.index.backends import open_index
+from kvstore.index.scoring import RouteDecision
+from kvstore.router import Router
+
+__all__ = ["Gateway", "build_app", "openai_error"]
+
+_USAGE_TAIL_BYTES = 16 * 1024  # the end of a stream, where the usage chunk is
+_PASSED_REQUEST_HEADERS = ("authorization", "content-type", "accept")
+
+
+def openai_error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code or status}}, status_code=status)
+
+
+@dataclass(frozen=True, slots=True)
+class _Routed:
+    replica: Replica
+    decision: RouteDecision
+    upstream: httpx.Response
+    started: float
+    prefill_node_id: str = ""  # prefill/decode disaggregation: where the prompt was computed
+
+
+class _NoReplica(Exception):
+    pass
+
+
+class Gateway:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.metrics = RouterMetrics([r.node_id for r in config.replicas], config.max_tenants)
+        self.replicas = ReplicaSet.of(config.replicas, self.metrics)
+        self.index, self.sessions = open_index(IndexConfig(backend=config.index))
+        self.router = Router(None, self.index, self.sessions, config.routing)
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(config.first_byte_timeout_s, connect=config.connect_timeout_s),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
+        )
+        self._checks: asyncio.Task | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        await self.replicas.check(self.client, self.config.connect_timeout_s)
+        self._checks = asyncio.create_task(
+            self.replicas.run_checks(self.client, self.config.health_interval_s, self.config.connect_timeout_s)
+        )
+        try:
+            yield
+        finally:
+            self._checks.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._checks
+            await self.client.aclose()
+            await self.index.close()
+
+    # -- endpoints ------------------------------------------------------------------------
+    async def health(self, _request: Request) -> Response:
+        healthy = [r.node_id for r in self.replicas.healthy()]
+        status = 200 if healthy else 503
+        return JSONResponse({"status": "ok" if healthy else "no healthy replica", "healthy_replicas": healthy}, status_code=status)
+
+    async def models(self, _request: Request) -> Response:
+        models = sorted(self.replicas.models())
+        if not models:
+            return openai_error(503, "No engine replica is healthy; the router has no model to serve.", "service_unavailable")
+        return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "kvstore-router"} for m in models]})
+
+    async def prometheus(self, _request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, "completion", "/v1/completions")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, "chat", "/v1/chat/completions")
+
+    # -- the request path -----------------------------------------------------------------
+    async def _serve(self, request: Request, kind: str, path: str) -> Response:
+        try:
+            body, payload = await self._read(request)
+            stream = payload.get("stream", False)
+            if not isinstance(stream, bool):
+                raise BadRequest("'stream' must be true or false.", "stream")
+            token_ids = await self._token_ids(kind, payload, request)
+            hashes = chain_hashes(token_ids, self.config.namespace.block_size)
+            session = session_of(request.headers, self.config.session_header, kind, payload, hashes, self.config.session_prefix_blocks)
+        except BadRequest as exc:
+            self.metrics.requests.labels("none", str(exc.status)).inc()
+            return openai_error(exc.status, exc.message, param=exc.param, code=exc.code)
+        except _Upstream as exc:
+            self.metrics.requests.labels("none", str(exc.response.status_code)).inc()
+            return Response(exc.response.content, exc.response.status_code, media_type=exc.response.headers.get("content-type"))
+        except _NoReplica as exc:
+            self.metrics.requests.labels("none", "503").inc()
+            return openai_error(503, str(exc), "service_unavailable")
+        tenant = self._tenant(request)
+        headers = {k: v for k, v in request.headers.items() if k in _PASSED_REQUEST_HEADERS}
+        try:
+            session_id = session.session_id if session else ""
+            if self.replicas.disaggregated():
+                routed = await self._disaggregated(path, payload, headers, token_ids, hashes, session_id, tenant)
+            else:
+                routed = await self._send(path, body, headers, token_ids, hashes, session_id)
+        except _NoReplica as exc:
+            self.metrics.requests.labels("none", "503").inc()
+            return openai_error(503, str(exc), "service_unavailable")
+        except _Upstream as exc:  # the prefill replica's own 4xx
+            return Response(exc.response.content, exc.response.status_code, media_type=exc.response.headers.get("content-type"))
+        except KVStoreError as exc:  # the index or session store cannot answer
+            self.metrics.requests.labels("none", "503").inc()
+            return openai_error(503, f"The router cannot reach its index: {exc}", "service_unavailable")
+        info = {
+            "x-kvstore-replica": routed.replica.node_id,
+            "x-kvstore-route": _reason_kind(routed.decision.reason),
+            "x-kvstore-prompt-tokens": str(len(token_ids)),
+            "x-kvstore-prompt-digest": tokens_digest(token_ids),
+            "x-kvstore-expected-cached-tokens": str(routed.decision.expected_cached_tokens),
+        }
+        if session is not None:
+            info["x-kvstore-session"] = session.session_id
+        if routed.prefill_node_id:
+            info["x-kvstore-prefill-replica"] = routed.prefill_node_id
+        self.metrics.expected_cached_tokens.labels(routed.replica.node_id).inc(routed.decision.expected_cached_tokens)
+        if stream and routed.upstream.status_code == 200:
+            return StreamingResponse(
+                self._relay(routed, tenant), routed.upstream.status_code, info, media_type=routed.upstream.headers.get("content-type")
+            )
+        try:
+            content = await routed.upstream.aread()
+        except httpx.HTTPError as exc:  # it failed after answering: too late to send the request elsewhere
+            self.metrics.requests.labels(routed.replica.node_id, "502").inc()
+            message = f"The replica {routed.replica.node_id} failed while answering ({type(exc).__name__}); retry the request."
+            return openai_error(502, message, "upstream_error")
+        finally:
+            await routed.upstream.aclose()
+            self._finish(routed)
+        self._observe(routed, tenant, stream=False, usage=_usage_of(content))
+        return Response(content, routed.upstream.status_code, info, media_type=routed.upstream.headers.get("content-type"))
+
+    async def _read(self, request: Request) -> tuple[bytes, dict[str, Any]]:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise BadRequest(f"The request body of {int(declared):,} bytes exceeds the router's limit of {limit:,} bytes.", status=413)
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise BadRequest(f"The request body exceeds the router's limit of {limit:,} bytes.", status=413)
+                chunks.append(chunk)
+        except ClientDisconnect as exc:
+            raise BadRequest("The client went away before sending the whole body.") from exc
+        body = b"".join(chunks)
+        try:
+            payload = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"The request body is not valid JSON: {exc}.") from exc
+        if not isinstance(payload, dict):
+            raise BadRequest("The request body must be a JSON object.")
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            raise BadRequest("'model' is required: one of the models /v1/models lists.", "model")
+        served = self.replicas.models()
+        if not served:
+            raise _NoReplica("No engine replica is healthy; retry once one is back.")
+        if model not in served:
+            raise BadRequest(
+                f"The model {model!r} does not exist here; this router serves {', '.join(sorted(served))}.", "model", 404, "model_not_found"
+            )
+        return body, payload
+
+    async def _token_ids(self, kind: str, payload: dict[str, Any], request: Request) -> list[int]:
+        given = prompt_token_ids(kind, payload)
+        if given is not None:
+            return given
+        tokenize = tokenize_request(kind, payload)
+        headers = {k: v for k, v in request.headers.items() if k == "authorization"}
+        for replica in self.replicas.healthy():
+            try:
+                response = await self.client.post(f"{replica.config.url}/tokenize", json=tokenize, headers=headers)
+            except httpx.TransportError as exc:
+                self.replicas.mark_down(replica, f"/tokenize failed: {type(exc).__name__}")
+                continue
+            if response.status_code >= 500:
+                continue
+            if response.status_code != 200:
+                raise _Upstream(response)  # the engine's own sentence about what is wrong with the prompt
+            tokens = response.json().get("tokens")
+            if not isinstance(tokens, list):
+                continue
+            return tokens
+        raise _NoReplica("No engine replica could tokenize the prompt; retry once one is healthy.")
+
+    async def _send(
+        self,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        token_ids: list[int],
+        hashes,
+        session_id: str,
+        roles: tuple[str, ...] = ("both", "prefill", "decode"),
+        excluded: set[str] | None = None,
+    ) -> _Routed:
+        ns = self.config.namespace
+        excluded = set() if excluded is None else excluded
+        failures: list[str] = []
+        for _attempt in range(self.config.max_attempts):
+            candidates = self.replicas.candidates(excluded, roles)
+            if not candidates:
+                break
+            note = f"retry after {'; '.join(failures)}" if failures else ""
+            decision = await self.router.route_chain(
+                ns.digest, hashes, len(token_ids), ns.block_size, ns.block_bytes, session_id, candidates, note=note
+            )
+            kind = _reason_kind(decision.reason)
+            self.metrics.decisions.labels(kind).inc()
+            if decision.moved_from is not None:
+                self.metrics.session_moves.labels(kind).inc()
+            replica = self.replicas.replicas[decision.node_id]
+            uncached = max(len(token_ids) - decision.expected_cached_tokens, 0)
+            replica.in_flight += 1
+            replica.num_prefilling += 1
+            replica.queued_tokens += uncached
+            self.metrics.in_flight.labels(replica.node_id).set(replica.in_flight)
+            started = time.monotonic()
+            try:
+                upstream = await self.client.send(
+                    self.client.build_request("POST", f"{replica.config.url}{path}", content=body, headers=headers), stream=True
+                )
+            except httpx.TransportError as exc:  # refused, reset, or no first byte in time
+                cause = _cause(exc)
+                self._release(replica, uncached)
+                if isinstance(exc, httpx.ConnectError):
+                    self.replicas.mark_down(replica, cause)
+                excluded.add(replica.node_id)
+                failures.append(f"{replica.node_id}: {cause}")
+                self.metrics.retries.labels(replica.node_id, cause.split(" ")[0]).inc()
+                continue
+            if upstream.status_code >= 500:
+                await upstream.aclose()
+                self._release(replica, uncached)
+                excluded.add(replica.node_id)
+                failures.append(f"{replica.node_id}: HTTP {upstream.status_code}")
+                self.metrics.retries.labels(replica.node_id, "http_5xx").inc()
+                continue
+            routed = _Routed(replica, decision, upstream, started)
+            routed.replica.num_prefilling -= 1
+            routed.replica.queued_tokens -= uncached
+            return routed
+        tried = "; ".join(failures) if failures else "none is healthy"
+        raise _NoReplica(f"No engine replica could serve the request ({tried}); retry shortly.")
+
+    async def _disaggregated(
+        self, path: str, payload: dict[str, Any], headers: dict[str, str], token_ids: list[int], hashes, session_id: str, tenant: str
+    ) -> _Routed:
+        """The two-step flow of the vLLM connector's kv_producer / kv_consumer: the prompt
+        is computed on the prefill replica its prefix costs least on (the session sticks
+        there: that is where its chain lives), which hands its KV, layer by layer, to the
+        least-loaded decode replica's daemon; the decode replica then answers the client.
+        A decode replica that fails before answering is replaced by another, which
+        recomputes the prompt (the connector's fallback, as for a handoff that never comes)."""
+        decoders = sorted(self.replicas.candidates(set(), ("decode",)), key=lambda c: (c.active_requests + c.queued_tokens, c.node_id))
+        if not decoders:
+            raise _NoReplica("No decode replica is healthy; retry once one is back.")
+        decoder = self.replicas.replicas[decoders[0].node_id]
+        addresses = {node.node_id: node.transport_address for node in await self.index.nodes()}
+        destination = addresses.get(decoder.node_id, "")
+        if not destination:
+            raise _NoReplica(f"The decode replica {decoder.node_id}'s daemon is not in the index; retry shortly.")
+        transfer_id = f"kvstore-router-{uuid.uuid4().hex}"
+        prefill_body = json.dumps(prefill_request(payload, transfer_id, destination)).encode()
+        prefill = await self._send(path, prefill_body, headers, token_ids, hashes, session_id, roles=("prefill",))
+        try:
+            content = await prefill.upstream.aread()
+        finally:
+            await prefill.upstream.aclose()
+            self._finish(prefill)
+        self._observe(prefill, tenant, stream=False, usage=_usage_of(content))
+        if prefill.upstream.status_code != 200:
+            raise _Upstream(prefill.upstream)
+        params = decode_transfer_params(content)
+        decode_body = json.dumps({**payload, "kv_transfer_params": params} if params else payload).encode()
+        others = {r.node_id for r in self.replicas.replicas.values() if r.node_id != decoder.node_id}
+        try:
+            routed = await self._send(path, decode_body, headers, token_ids, [], "", roles=("decode",), excluded=others)
+        except _NoReplica:  # the handoff's destination failed: another decode replica computes the prompt
+            original = json.dumps(payload).encode()
+            routed = await self._send(path, original, headers, token_ids, hashes, "", roles=("decode",), excluded={decoder.node_id})
+        return dataclasses.replace(routed, prefill_node_id=prefill.replica.node_id)
+
+    def _release(self, replica: Replica, uncached: int) -> None:
+        replica.in_flight -= 1
+        replica.num_prefilling -= 1
+        replica.queued_tokens -= uncached
+        self.metrics.in_flight.labels(replica.node_id).set(replica.in_flight)
+
+    def _finish(self, routed: _Routed) -> None:
+        routed.replica.in_flight -= 1
+        self.metrics.in_flight.labels(routed.replica.node_id).set(routed.replica.in_flight)
+
+    async def _relay(self, routed: _Routed, tenant: str) -> AsyncIterator[bytes]:
+        """The engine's stream, chunk by chunk as it arrives; the tail is kept for its usage."""
+        tail = b""
+        first = True
+        try:
+            async for chunk in routed.upstream.aiter_raw():
+                if first:
+                    self.metrics.ttft.labels(routed.replica.node_id, "true").observe(time.monotonic() - routed.started)
+                    first = False
+                tail = (tail + chunk)[-_USAGE_TAIL_BYTES:]
+                yield chunk
+        finally:
+            await routed.upstream.aclose()
+            self._finish(routed)
+        self._observe(routed, tenant, stream=True, usage=_stream_usage(tail))
+
+    def _observe(self, routed: _Routed, tenant: str, stream: bool, usage: dict | None) -> None:
+        node_id = routed.replica.node_id
+        self.metrics.requests.labels(node_id, str(routed.upstream.status_code)).inc()
+        if not stream:
+            self.metrics.ttft.labels(node_id, "false").observe(time.monotonic() - routed.started)
+        if usage is None:
+            return
+        prompt = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") or 0
+        if isinstance(prompt, int) and isinstance(cached, int):
+            self.metrics.usage(node_id, tenant, prompt, cached)
+
+    def _tenant(self, request: Request) -> str:
+        named = request.headers.get(self.config.tenant_header)
+        if named:
+            return named[:64]
+        key = request.headers.get("authorization", "")
+        if key:
+            return f"key-{xxhash.xxh64_hexdigest(key.encode())[:8]}"
+        return "anonymous"
+
+
+class _Upstream(Exception):
+    """An engine's 4xx answer to a request of the router's making, passed on as it is."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def _cause(exc: httpx.TransportError) -> str:
+    if isinstance(exc, httpx.ConnectError):
+        return "connect refused or unreachable"
+    if isinstance(exc, httpx.TimeoutException):
+        return "timeout before the first byte"
+    return f"transport {type(exc).__name__}"
+
+
+def _reason_kind(reason: str) -> str:
+    """A decision's reason as a bounded label: retry, sticky, moved_unavailable,
+    moved_cost or best_cost."""
+    if reason.startswith("retry"):
+        return "retry"
+    if reason.startswith("sticky"):
+        return "sticky"
+    if reason.startswith("moved") and "not a candidate" in reason:
+        return "moved_unavailable"
+    if reason.startswith("moved"):
+        return "moved_cost"
+    return "best_cost"
+
+
+def _usage_of(content: bytes) -> dict | None:
+    try:
+        usage = json.loads(content).get("usage")
+    except (ValueError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+def _stream_usage(tail: bytes) -> dict | None:
+    """The usage of the last SSE event that has one (``stream_options.include_usage``)."""
+    for line in reversed(tail.split(b"\n")):
+        line = line.strip()
+        if line.startswith(b"data:") and b'"usage"' in line:
+            usage = _usage_of(line[5:].strip())
+            if usage is not None:
+                return usage
+    return None
+
+
+def build_app(config: RouterConfig) -> Starlette:
+    gateway = Gateway(config)
+    routes = [
+        Route("/v1/completions", gateway.completions, methods=["POST"]),
+        Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
+        Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/health", gateway.health, methods=["GET"]),
+        Route("/metrics", gateway.prometheus, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=gateway.lifespan)
+    app.state.gateway = gateway
+    return app

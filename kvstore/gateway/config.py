@@ -1,0 +1,204 @@
+"""The HTTP router's configuration: the ``[router]`` section of a kvstore TOML file.
+
+One typed object, validated once. The same file may configure a daemon too (the daemon
+skips ``[router]``); the router reads ``[router]``, its ``[router.namespace]`` and
+``[[router.replicas]]``, and the cost model from ``[routing]`` (kvstore.config.RoutingConfig)::
+
+    [router]
+    port = 8000
+    index = "redis://127.0.0.1:6379/0"   # where the replicas' daemons publish their blocks
+
+    [router.namespace]                   # what the engines' kvstore connector derives
+    model_id = "/models/qwen"            # vLLM's --model (or the connector's model_id)
+    num_layers = 28
+    num_kv_heads = 4                     # per tensor-parallel rank
+    head_dim = 128
+    dtype = "bfloat16"
+    block_size = 32                      # vLLM's --block-size
+
+    [[router.replicas]]
+    url = "http://10.0.0.1:8000"         # the engine's OpenAI server
+    node_id = "gpu-host-1"               # its kvstore daemon's server.node_id
+
+    [routing]
+    remote_fetch = false                 # the vLLM connector loads only what its own daemon holds
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvstore.config import ConfigError, RoutingConfig, parse_size
+from kvstore.errors import InvalidArgument
+from kvstore.layout import KVLayout
+from kvstore.namespace import Namespace
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["ReplicaConfig", "RouterConfig", "load_router_config", "namespace_from"]
+
+# the element order the kvstore connectors store blocks in (connectors/vllm_compat.STORE_INNER_ORDER)
+STORE_INNER_ORDER = "HND"
+_ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    url: str
+    node_id: str
+    role: str = "both"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"router.replicas: url must be an http:// or https:// URL, got {self.url!r}.")
+        if not isinstance(self.node_id, str) or not self.node_id:
+            raise ConfigError(f"router.replicas: replica {self.url} needs the node_id of its kvstore daemon.")
+        if self.role not in _ROLES:
+            raise ConfigError(f"router.replicas: role must be one of {', '.join(_ROLES)}, got {self.role!r}.")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    replicas: tuple[ReplicaConfig, ...]
+    namespace: Namespace
+    index: str  # redis://… (a fleet's index, shared by every router replica)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    session_header: str = "x-session-id"
+    tenant_header: str = "x-tenant-id"  # else the API key (its digest) names the tenant
+    max_tenants: int = 32  # tenants beyond this many share the label "other"
+    session_prefix_blocks: int = 16  # completions without an id: the session is the first this many blocks
+    max_body_bytes: int = 16 * 1024**2
+    max_attempts: int = 3  # replicas tried for one request before the client sees an error
+    connect_timeout_s: float = 2.0
+    first_byte_timeout_s: float = 300.0
+    health_interval_s: float = 2.0
+    routing: RoutingConfig = RoutingConfig(remote_fetch=False)
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            raise ConfigError("router.replicas is empty: name at least one engine replica (url and node_id).")
+        for what, values in (("url", [r.url for r in self.replicas]), ("node_id", [r.node_id for r in self.replicas])):
+            if len(set(values)) != len(values):
+                raise ConfigError(f"router.replicas: each replica's {what} must be unique.")
+        if not self.index.startswith(("redis://", "rediss://", "redis+cluster://")):
+            raise ConfigError(
+                f"router.index must be the redis:// URL the replicas' daemons publish to (index.backend), got {self.index!r}."
+            )
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"router.port must lie in [0, 65536), got {self.port}.")
+        for name in ("max_tenants", "session_prefix_blocks", "max_body_bytes", "max_attempts"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"router.{name} must be positive, got {getattr(self, name)}.")
+        for name in ("connect_timeout_s", "first_byte_timeout_s", "health_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"router.{name} must be a positive number of seconds, got {getattr(self, name)}.")
+        for name in ("session_header", "tenant_header"):
+            if not getattr(self, name) or getattr(self, name) != getattr(self, name).strip().lower():
+                raise ConfigError(f"router.{name} must be a non-empty lower-case header name, got {getattr(self, name)!r}.")
+
+
+def namespace_from(values: Mapping[str, Any]) -> Namespace:
+    """The namespace of ``[router.namespace]``: the one the engines' connector registers
+    for tensor-parallel rank 0 (every rank holds the same blocks)."""
+    known = {"model_id", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "kv_planes", "tp_size", "tenant_salt"}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) router.namespace.{', router.namespace.'.join(unknown)}; known: {', '.join(sorted(known))}.")
+    missing = sorted({"model_id", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size"} - set(values))
+    if missing:
+        raise ConfigError(f"router.namespace needs {', '.join(missing)} (the engines' model and KV cache geometry).")
+    try:
+        layout = KVLayout(
+            int(values["num_layers"]),
+            int(values["num_kv_heads"]),
+            int(values["head_dim"]),
+            int(values["block_size"]),
+            str(values["dtype"]),
+            int(values.get("kv_planes", 2)),
+            STORE_INNER_ORDER,
+        )
+        tp_size = int(values.get("tp_size", 1))
+        if layout.kv_planes == 1:  # MLA: one latent for every rank, a namespace that names none
+            tp_size = 1
+        return Namespace(str(values["model_id"]), layout, 0, tp_size, 0, 1, str(values.get("tenant_salt", "")))
+    except (InvalidArgument, ValueError, TypeError) as exc:
+        raise ConfigError(f"router.namespace: {exc}") from exc
+
+
+def _coerce(name: str, raw: Any, kind: Any) -> Any:
+    kind = str(kind)
+    if name.endswith("_bytes"):
+        return parse_size(raw, f"router.{name}")
+    try:
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"router.{name} must be a number, got {raw!r}.") from exc
+    return str(raw)
+
+
+def _routing(values: Mapping[str, Any]) -> RoutingConfig:
+    fields = {f.name: f for f in dataclasses.fields(RoutingConfig)}
+    settings: dict[str, Any] = {"remote_fetch": False}
+    for name, raw in values.items():
+        if name not in fields:
+            raise ConfigError(f"unknown setting routing.{name}; known: {', '.join(sorted(fields))}.")
+        if str(fields[name].type) == "bool":
+            if not isinstance(raw, bool) and str(raw).lower() not in ("true", "false", "1", "0"):
+                raise ConfigError(f"routing.{name} must be true or false, got {raw!r}.")
+            settings[name] = raw if isinstance(raw, bool) else str(raw).lower() in ("true", "1")
+        else:
+            try:
+                settings[name] = float(raw)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"routing.{name} must be a number, got {raw!r}.") from exc
+    return RoutingConfig(**settings)
+
+
+def load_router_config(
+    path: Path | None = None, overrides: Mapping[str, Any] | None = None, replicas: Sequence[ReplicaConfig] = ()
+) -> RouterConfig:
+    """``[router]`` of the file at ``path`` ← ``overrides`` (``{"port": 9000, …}``); replicas
+    given here are added to the file's."""
+    document: dict[str, Any] = {}
+    if path is not None:
+        try:
+            document = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read the configuration file {path}: {exc.strerror}.") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path} is not valid TOML: {exc}.") from exc
+    section = dict(document.get("router", {}))
+    section.update(overrides or {})
+    fields = {f.name: f for f in dataclasses.fields(RouterConfig)}
+    settings: dict[str, Any] = {}
+    for name, raw in section.items():
+        if name in ("replicas", "namespace"):
+            continue
+        if name not in fields or name == "routing":
+            known = sorted(set(fields) - {"routing"})
+            raise ConfigError(f"unknown setting router.{name}; known: {', '.join(known)}.")
+        settings[name] = _coerce(name, raw, fields[name].type)
+    listed = section.get("replicas", [])
+    if not isinstance(listed, list) or not all(isinstance(r, Mapping) for r in listed):
+        raise ConfigError("router.replicas must be an array of tables ([[router.replicas]] with url and node_id).")
+    try:
+        found = [ReplicaConfig(**{k: str(v) for k, v in r.items()}) for r in listed]
+    except TypeError as exc:
+        raise ConfigError(f"router.replicas: {exc}; a replica has url, node_id and optionally role.") from exc
+    settings["replicas"] = (*found, *replicas)
+    settings["namespace"] = namespace_from(section.get("namespace", {}))
+    settings["routing"] = _routing(document.get("routing", {}))
+    settings.setdefault("index", "")
+    return RouterConfig(**settings)

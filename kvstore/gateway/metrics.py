@@ -1,0 +1,126 @@
+"""What the HTTP router measures, as Prometheus metrics on its ``/metrics``.
+
+Per replica (its daemon's node id): router-observed time to first byte (TTFT for a stream;
+for a non-streaming request its first byte is its whole answer), prompt tokens and the
+prefill tokens the engine actually computed (its usage: prompt minus cached tokens), the
+token hit rate and its spread over the fleet (standard deviation and coefficient of
+variation), routing decisions by reason, session moves, retries, requests in flight.
+Per tenant (a header, else a digest of the API key), prompt, computed and cached tokens;
+the first ``max_tenants`` tenants seen get a label each, any later one shares ``other``,
+so a client cannot grow the label set without bound.
+
+Owner: the router's event loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["RouterMetrics", "TenantLabels", "OTHER_TENANT"]
+
+OTHER_TENANT = "other"
+_TOKEN_BUCKETS = tuple(float(2**i) for i in range(4, 19))  # 16 … 256K tokens
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
+
+
+class TenantLabels:
+    """Tenant names as metric labels, at most ``max_tenants`` of them."""
+
+    def __init__(self, max_tenants: int) -> None:
+        self._max_tenants = max_tenants
+        self._labels: set[str] = set()
+
+    def label(self, tenant: str) -> str:
+        if tenant in self._labels:
+            return tenant
+        if len(self._labels) < self._max_tenants:
+            self._labels.add(tenant)
+            return tenant
+        return OTHER_TENANT
+
+
+class RouterMetrics:
+    def __init__(self, replica_ids: list[str], max_tenants: int) -> None:
+        self.registry = CollectorRegistry()
+        self.tenants = TenantLabels(max_tenants)
+        r = self.registry
+        self.requests = Counter(
+            "kvstore_router_requests",
+            "Requests answered, by replica ('none' when none served) and HTTP status",
+            ["replica", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvstore_router_ttft_seconds",
+            "Router-observed time to the first byte of the engine's answer",
+            ["replica", "stream"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Histogram(
+            "kvstore_router_prompt_tokens", "Prompt tokens per request (engine usage)", ["replica"], buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.prefill_tokens = Histogram(
+            "kvstore_router_prefill_tokens",
+            "Prompt tokens the engine computed per request (prompt minus cached tokens)",
+            ["replica"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "kvstore_router_cached_tokens", "Prompt tokens served from cache (engine usage)", ["replica"], registry=r
+        )
+        self.expected_cached_tokens = Counter(
+            "kvstore_router_expected_cached_tokens", "Cached tokens the cost model expected when routing", ["replica"], registry=r
+        )
+        self.hit_rate = Gauge("kvstore_router_hit_rate", "Token hit rate per replica: cached over prompt tokens", ["replica"], registry=r)
+        self.hit_rate_spread = Gauge(
+            "kvstore_router_hit_rate_spread", "Spread of the replicas' hit rates: std (standard deviation) and cv", ["stat"], registry=r
+        )
+        self.decisions = Counter("kvstore_router_decisions", "Routing decisions by reason", ["reason"], registry=r)
+        self.session_moves = Counter("kvstore_router_session_moves", "Sessions moved to another replica, by reason", ["reason"], registry=r)
+        self.retries = Counter(
+            "kvstore_router_retries",
+            "Requests retried on the next-best replica, by the failed one and cause",
+            ["replica", "cause"],
+            registry=r,
+        )
+        self.in_flight = Gauge("kvstore_router_in_flight", "Requests in flight per replica", ["replica"], registry=r)
+        self.healthy = Gauge("kvstore_router_replica_healthy", "1 while the replica passes health checks", ["replica"], registry=r)
+        self.tenant_prompt_tokens = Counter("kvstore_router_tenant_prompt_tokens", "Prompt tokens per tenant", ["tenant"], registry=r)
+        self.tenant_prefill_tokens = Counter(
+            "kvstore_router_tenant_prefill_tokens", "Prefill tokens computed per tenant", ["tenant"], registry=r
+        )
+        self.tenant_cached_tokens = Counter(
+            "kvstore_router_tenant_cached_tokens", "Prefill tokens saved by the cache per tenant", ["tenant"], registry=r
+        )
+        self._prompt_by_replica = dict.fromkeys(replica_ids, 0)
+        self._cached_by_replica = dict.fromkeys(replica_ids, 0)
+        for replica_id in replica_ids:  # every replica's series exists from the start
+            self.in_flight.labels(replica_id).set(0)
+            self.hit_rate.labels(replica_id).set(0)
+        self.hit_rate_spread.labels("std").set(0)
+        self.hit_rate_spread.labels("cv").set(0)
+
+    def usage(self, replica_id: str, tenant: str, prompt_tokens: int, cached_tokens: int) -> None:
+        computed = max(prompt_tokens - cached_tokens, 0)
+        self.prompt_tokens.labels(replica_id).observe(prompt_tokens)
+        self.prefill_tokens.labels(replica_id).observe(computed)
+        self.cached_tokens.labels(replica_id).inc(cached_tokens)
+        label = self.tenants.label(tenant)
+        self.tenant_prompt_tokens.labels(label).inc(prompt_tokens)
+        self.tenant_prefill_tokens.labels(label).inc(computed)
+        self.tenant_cached_tokens.labels(label).inc(cached_tokens)
+        self._prompt_by_replica[replica_id] += prompt_tokens
+        self._cached_by_replica[replica_id] += cached_tokens
+        rates = []
+        for node_id, prompt in self._prompt_by_replica.items():
+            rate = self._cached_by_replica[node_id] / prompt if prompt else 0.0
+            self.hit_rate.labels(node_id).set(rate)
+            rates.append(rate)
+        mean = sum(rates) / len(rates)
+        std = math.sqrt(sum((rate - mean) ** 2 for rate in rates) / len(rates))
+        self.hit_rate_spread.labels("std").set(std)
+        self.hit_rate_spread.labels("cv").set(std / mean if mean else 0.0)

@@ -1,0 +1,125 @@
+"""The engine replicas behind the router: health, served models, and the load the router
+itself puts on each (requests in flight, prompt tokens waiting for their first byte).
+
+A replica is a candidate while it is healthy: its ``/health`` answered 200 at the last
+check, and no request has since failed to connect to it. A failed connection takes it
+out at once; the next passing check brings it back.
+
+Owner: the router's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import httpx
+
+from kvstore.gateway.config import ReplicaConfig
+from kvstore.gateway.metrics import RouterMetrics
+from kvstore.index.scoring import Candidate
+
+__all__ = ["Replica", "ReplicaSet", "engine_queue"]
+
+# vLLM's gauges (SGLang's are sglang:num_running_reqs / sglang:num_queue_reqs)
+_QUEUE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "sglang:num_running_reqs", "sglang:num_queue_reqs")
+
+
+def engine_queue(exposition: str) -> int:
+    """Requests running and waiting on an engine, from its Prometheus text."""
+    total = 0.0
+    for line in exposition.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in _QUEUE_GAUGES:
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return int(total)
+
+
+logger = logging.getLogger("kvstore.router")
+
+
+@dataclass(slots=True)
+class Replica:
+    config: ReplicaConfig
+    healthy: bool = False
+    models: tuple[str, ...] = ()
+    in_flight: int = 0
+    queued_tokens: int = 0  # prompt tokens of requests not answered yet, less their expected hits
+    num_prefilling: int = 0
+    engine_requests: int = 0  # running + waiting, as the engine's own /metrics last said (other clients' too)
+
+    @property
+    def node_id(self) -> str:
+        return self.config.node_id
+
+    def candidate(self) -> Candidate:
+        """Its load for the cost model: what the router sent it, or what the engine reports
+        when that is more (traffic that reached it some other way)."""
+        active = max(self.in_flight - self.num_prefilling, self.engine_requests - self.in_flight)
+        return Candidate(self.node_id, queued_tokens=self.queued_tokens, active_requests=max(active, 0))
+
+
+@dataclass
+class ReplicaSet:
+    replicas: dict[str, Replica]
+    metrics: RouterMetrics
+
+    @classmethod
+    def of(cls, configs: Iterable[ReplicaConfig], metrics: RouterMetrics) -> ReplicaSet:
+        return cls({c.node_id: Replica(c) for c in configs}, metrics)
+
+    def candidates(self, excluded: set[str], roles: tuple[str, ...] = ("both", "prefill", "decode")) -> list[Candidate]:
+        return [r.candidate() for r in self.replicas.values() if r.healthy and r.node_id not in excluded and r.config.role in roles]
+
+    def disaggregated(self) -> bool:
+        """Prefill and decode run on different replicas: some are marked each way."""
+        roles = {r.config.role for r in self.replicas.values()}
+        return "prefill" in roles and "decode" in roles
+
+    def models(self) -> set[str]:
+        return {model for r in self.replicas.values() if r.healthy for model in r.models}
+
+    def healthy(self) -> list[Replica]:
+        """Healthy replicas, least loaded first."""
+        return sorted((r for r in self.replicas.values() if r.healthy), key=lambda r: (r.in_flight, r.node_id))
+
+    def mark_down(self, replica: Replica, why: str) -> None:
+        if replica.healthy:
+            logger.warning("kvstore router: replica %s (%s) taken out of rotation: %s", replica.node_id, replica.config.url, why)
+        replica.healthy = False
+        self.metrics.healthy.labels(replica.node_id).set(0)
+
+    async def check(self, client: httpx.AsyncClient, timeout_s: float) -> None:
+        await asyncio.gather(*(self._check_one(client, replica, timeout_s) for replica in self.replicas.values()))
+
+    async def run_checks(self, client: httpx.AsyncClient, interval_s: float, timeout_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.check(client, timeout_s)
+
+    async def _check_one(self, client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> None:
+        url = replica.config.url
+        try:
+            health = await client.get(f"{url}/health", timeout=timeout_s)
+            models = await client.get(f"{url}/v1/models", timeout=timeout_s) if health.status_code == 200 else None
+            ok = models is not None and models.status_code == 200
+            if ok:
+                replica.models = tuple(str(m.get("id")) for m in models.json().get("data", []) if isinstance(m, dict))
+                engine_metrics = await client.get(f"{url}/metrics", timeout=timeout_s)
+                if engine_metrics.status_code == 200:
+                    replica.engine_requests = engine_queue(engine_metrics.text)
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        else:
+            why = f"/health answered {health.status_code}"
+        if ok and not replica.healthy:
+            logger.info("kvstore router: replica %s (%s) is healthy, serving %s", replica.node_id, url, ", ".join(replica.models))
+            replica.healthy = True
+        elif not ok:
+            self.mark_down(replica, why)
+        self.metrics.healthy.labels(replica.node_id).set(1 if replica.healthy else 0)

@@ -1,0 +1,188 @@
+"""The router's pure parts: its configuration, session ids, tenant labels, and the Grafana
+dashboard against the metrics the router exposes. (Real engines: test_router_http.py.)"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from prometheus_client import generate_latest
+
+from kvstore.cli import main
+from kvstore.config import ConfigError, load_config
+from kvstore.gateway.config import ReplicaConfig, load_router_config
+from kvstore.gateway.metrics import OTHER_TENANT, RouterMetrics, TenantLabels
+from kvstore.gateway.prompts import BadRequest, prompt_token_ids, session_of, tokenize_request, tokens_digest
+from kvstore.gateway.replicas import Replica, engine_queue
+from kvstore.hashing import chain_hashes
+from kvstore.layout import KVLayout
+from kvstore.namespace import Namespace
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "kvstore" / "gateway" / "grafana_dashboard.json"
+CONFIG = """
+[server]
+node_id = "host-1"
+
+[router]
+port = 9001
+index = "redis://127.0.0.1:6379/0"
+session_header = "x-agent-session"
+max_body_bytes = "2MiB"
+
+[router.namespace]
+model_id = "/models/tiny"
+num_layers = 2
+num_kv_heads = 2
+head_dim = 64
+dtype = "bfloat16"
+block_size = 32
+
+[[router.replicas]]
+url = "http://10.0.0.1:8000"
+node_id = "gpu-1"
+
+[routing]
+margin_s = 1.5
+"""
+
+
+def test_the_router_reads_its_section_and_the_daemon_skips_it(tmp_path):
+    path = tmp_path / "kvstore.toml"
+    path.write_text(CONFIG)
+    config = load_router_config(path, {"port": "9002"}, [ReplicaConfig("http://10.0.0.2:8000", "gpu-2")])
+    assert (config.port, config.session_header, config.max_body_bytes) == (9002, "x-agent-session", 2 * 1024**2)
+    assert [r.node_id for r in config.replicas] == ["gpu-1", "gpu-2"]
+    assert config.routing.margin_s == 1.5 and config.routing.remote_fetch is False
+    # the namespace the vLLM connector registers for this model (HND planes, rank 0 of 1)
+    assert config.namespace.digest == Namespace("/models/tiny", KVLayout(2, 2, 64, 32, "bfloat16", 2, "HND")).digest
+    assert load_config(path, environ={}).server.node_id == "host-1"
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"index": "embedded"}, "redis://"),
+        ({"max_attempts": "0"}, "router.max_attempts"),
+        ({"no_such_setting": "1"}, "unknown setting router.no_such_setting"),
+        ({"session_header": "X-Session"}, "lower-case"),
+    ],
+)
+def test_bad_router_settings_are_named(tmp_path, change, words):
+    path = tmp_path / "kvstore.toml"
+    path.write_text(CONFIG)
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load_router_config(path, change)
+
+
+def test_a_namespace_without_its_geometry_and_duplicate_replicas_are_refused(tmp_path):
+    path = tmp_path / "kvstore.toml"
+    path.write_text(CONFIG.replace("head_dim = 64\n", ""))
+    with pytest.raises(ConfigError, match="head_dim"):
+        load_router_config(path)
+    path.write_text(CONFIG)
+    with pytest.raises(ConfigError, match="node_id must be unique"):
+        load_router_config(path, replicas=[ReplicaConfig("http://10.0.0.9:8000", "gpu-1")])
+
+
+def test_router_help_and_a_usage_error():
+    runner = CliRunner()
+    result = runner.invoke(main, ["router", "--help"])
+    assert result.exit_code == 0 and "/v1/chat/completions" in result.output and "--replica" in result.output
+    result = runner.invoke(main, ["router", "--index", "redis://x:1/0", "--replica", "no-equals-sign"])
+    assert result.exit_code == 2 and "URL=NODE_ID" in result.output
+
+
+def test_session_ids_come_from_the_header_the_user_or_the_conversation_start():
+    system = {"role": "system", "content": "shared system prompt"}
+    chat = {"messages": [system, {"role": "user", "content": "task one"}]}
+    assert session_of({"x-session-id": "abc"}, "x-session-id", "chat", chat, [], 16).session_id == "h:abc"
+    assert session_of({}, "x-session-id", "chat", {**chat, "user": "alice"}, [], 16).source == "user"
+    derived = session_of({}, "x-session-id", "chat", chat, [], 16)
+    later_turn = {"messages": [*chat["messages"], {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]}
+    other_task = {"messages": [system, {"role": "user", "content": "task two"}]}
+    assert session_of({}, "x-session-id", "chat", later_turn, [], 16) == derived  # the same conversation, grown
+    assert session_of({}, "x-session-id", "chat", other_task, [], 16) != derived  # only the system prompt shared
+    hashes = chain_hashes(list(range(20 * 4)), 4)
+    completion = session_of({}, "x-session-id", "completion", {}, hashes, 16)
+    assert completion.session_id == f"p:{hashes[15].hex()}"
+    assert session_of({}, "x-session-id", "completion", {}, [], 16) is None
+    with pytest.raises(BadRequest):
+        session_of({"x-session-id": "x" * 1000}, "x-session-id", "chat", chat, [], 16)
+
+
+def test_what_is_tokenized_for_a_request():
+    assert prompt_token_ids("completion", {"prompt": [5, 6, 7]}) == [5, 6, 7]
+    assert prompt_token_ids("completion", {"prompt": [[5, 6], [7]]}) == [5, 6]
+    assert prompt_token_ids("completion", {"prompt": "text"}) is None
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = tokenize_request("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "temperature": 0})
+    assert body == {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    with pytest.raises(BadRequest, match="prompt"):
+        tokenize_request("completion", {"model": "m", "prompt": 3})
+    assert tokens_digest([1, 2]) != tokens_digest([2, 1])
+
+
+def test_tenant_labels_are_bounded():
+    labels = TenantLabels(2)
+    assert [labels.label(t) for t in ("a", "b", "c", "a", "d")] == ["a", "b", OTHER_TENANT, "a", OTHER_TENANT]
+
+
+def _exposed_metric_names() -> set[str]:
+    metrics = RouterMetrics(["r1", "r2"], max_tenants=4)
+    metrics.usage("r1", "tenant", 100, 60)  # every labelled family gets a child, so every series is exposed
+    metrics.ttft.labels("r1", "true").observe(0.1)
+    metrics.requests.labels("r1", "200").inc()
+    metrics.expected_cached_tokens.labels("r1").inc(64)
+    metrics.decisions.labels("sticky").inc()
+    metrics.session_moves.labels("retry").inc()
+    metrics.retries.labels("r2", "connect").inc()
+    metrics.healthy.labels("r1").set(1)
+    text = generate_latest(metrics.registry).decode()
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_every_metric_the_grafana_dashboard_queries_exists():
+    dashboard = json.loads(DASHBOARD.read_text())
+    queried = {
+        name for panel in dashboard["panels"] for target in panel["targets"] for name in re.findall(r"\bkvstore_\w+", target["expr"])
+    }
+    exposed = _exposed_metric_names()
+    assert len(queried) >= 12
+    assert queried <= exposed, sorted(queried - exposed)
+    # the issue's list: TTFT, prompt and computed tokens, hit rate and spread, decisions, moves, tenants
+    for needed in ("ttft_seconds_bucket", "prefill_tokens_sum", "hit_rate_spread", "decisions_total", "session_moves_total"):
+        assert f"kvstore_router_{needed}" in queried
+    assert "kvstore_router_no_such_metric" not in exposed
+
+
+def test_hit_rates_per_replica_and_their_spread():
+    metrics = RouterMetrics(["r1", "r2"], max_tenants=4)
+    metrics.usage("r1", "t", 100, 60)
+    metrics.usage("r2", "t", 100, 20)
+    metrics.usage("r2", "t", 100, 0)  # r2: 20 of 200
+    value = metrics.registry.get_sample_value
+    assert value("kvstore_router_hit_rate", {"replica": "r1"}) == pytest.approx(0.6)
+    assert value("kvstore_router_hit_rate", {"replica": "r2"}) == pytest.approx(0.1)
+    assert value("kvstore_router_hit_rate_spread", {"stat": "std"}) == pytest.approx(0.25)
+    assert value("kvstore_router_hit_rate_spread", {"stat": "cv"}) == pytest.approx(0.25 / 0.35)
+    assert value("kvstore_router_tenant_prefill_tokens_total", {"tenant": "t"}) == 220
+
+
+def test_the_engines_own_queue_counts_in_a_replicas_load():
+    exposition = "\n".join(
+        [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0',
+            'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 7.0',
+            "vllm:prompt_tokens_total 900.0",
+        ]
+    )
+    assert engine_queue(exposition) == 5
+    replica = Replica(ReplicaConfig("http://10.0.0.1:8000", "gpu-1"), healthy=True, in_flight=2, num_prefilling=1)
+    assert replica.candidate().active_requests == 1  # only what the router sent
+    replica.engine_requests = engine_queue(exposition)
+    assert replica.candidate().active_requests == 3  # three more than the router's own two

@@ -1,0 +1,321 @@
+"""`kvstore router` in front of two real vLLM (CPU) replicas.
+
+Each replica is vLLM's OpenAI server with the kvstore connector (prefix caching off, so
+every cached token a replica reports came from its kvstore daemon); both daemons publish
+their blocks to one real Redis, which is the router's index and session store. The
+tests share the one fleet (module fixture, replicas started in parallel) and each uses
+prompts and session ids of its own; the test that kills a replica runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import time
+
+import httpx
+import pytest
+from daemon_harness import daemons
+
+from bench.router_fleet import BLOCK, Answer, digest_of, model_with_chat_template, post, start_router, start_servers, stream
+from bench.vllm_engine import VLLM_PYTHON
+from kvstore.index.redis import RedisSessionStore
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+if not VLLM_PYTHON.exists():
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{VLLM_PYTHON} is missing: `make test` should have built it with `make vllm-venv`.")
+    pytest.skip(f"no vLLM venv at {VLLM_PYTHON}; run `make vllm-venv`", allow_module_level=True)
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+MAX_BODY_BYTES = 1 << 20
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "read a file of the repository",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "run_tests", "description": "run the test suite", "parameters": {"type": "object", "properties": {}}},
+    },
+]
+
+
+def system_prompt(topic: str, words: int = 300) -> str:
+    vocabulary = ["kv", "cache", "block", "prefix", "token", "layer", "tier", "slab", "engine", "router", "store", "decode", "prefill"]
+    return f"{topic}: " + " ".join(f"{vocabulary[(i * 7 + len(topic)) % len(vocabulary)]}{i % 97}" for i in range(words))
+
+
+class Fleet:
+    def __init__(self, model, redis_url, replicas, router, workdir):
+        self.model, self.redis_url, self.replicas, self.router, self.workdir = str(model), redis_url, replicas, router, workdir
+        self._model_path = model
+
+    def replica(self, node_id: str):
+        return next(r for r in self.replicas if r.node_id == node_id)
+
+    def other(self, node_id: str):
+        return next(r for r in self.replicas if r.node_id != node_id)
+
+    def chat(self, messages: list[dict], url: str | None = None, session: str | None = None, **fields) -> Answer:
+        payload = {"model": self.model, "messages": messages, "max_tokens": 8, "temperature": 0.0, "tools": TOOLS, "tool_choice": "none"}
+        payload.update(fields)
+        answer = post(url or self.router.url, CHAT, payload, {"x-session-id": session} if session else {})
+        assert answer.status == 200, answer.body
+        return answer
+
+    def start_router(self, name: str, **settings):
+        return start_router(self.workdir, name, self._model_path, self.redis_url, self.replicas, max_body_bytes=MAX_BODY_BYTES, **settings)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, redis_server):
+    workdir = tmp_path_factory.mktemp("router")
+    model = model_with_chat_template(workdir / "model")
+    with daemons(workdir) as start:
+        started = [start(node_id=node_id, extra={"index.backend": redis_server.url}) for node_id in ("replica-a", "replica-b")]
+        replicas = start_servers(model, workdir, started)
+        routers = []
+        try:
+            router = start_router(workdir, "router", model, redis_server.url, replicas, max_body_bytes=MAX_BODY_BYTES)
+            routers.append(router)
+            yield Fleet(model, redis_server.url, replicas, router, workdir)
+        finally:
+            for router in routers:
+                router.stop()
+            for replica in replicas:
+                replica.server.kill()
+
+
+def vllm_prompt_tokens(fleet: Fleet) -> float:
+    total = 0.0
+    for replica in fleet.replicas:
+        text = httpx.get(f"{replica.url}/metrics", timeout=10).text
+        total += sum(float(v) for v in re.findall(r"^vllm:prompt_tokens_total\{[^}]*\} (\S+)$", text, re.MULTILINE))
+    return total
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        match = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
+        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
+            total += float(match.group(2))
+    return total
+
+
+def test_malformed_requests_get_openai_errors_without_touching_an_engine(fleet):
+    before = vllm_prompt_tokens(fleet)
+    url = fleet.router.url
+
+    def error_of(path: str, status: int, **request) -> dict:
+        response = httpx.post(f"{url}{path}", timeout=30, **request)
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert error["message"] and error["type"]
+        return error
+
+    assert error_of(CHAT, 400, content=b'{"model": "x", "messages": [')["type"] == "invalid_request_error"
+    assert "JSON object" in error_of(COMPLETIONS, 400, content=b"[1, 2, 3]")["message"]
+    assert error_of(COMPLETIONS, 400, json={"prompt": "hello"})["param"] == "model"
+    unknown = error_of(CHAT, 404, json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})
+    assert unknown["code"] == "model_not_found" and fleet.model in unknown["message"]
+    assert error_of(CHAT, 400, json={"model": fleet.model, "messages": []})["param"] == "messages"
+    assert (
+        error_of(CHAT, 400, json={"model": fleet.model, "messages": [{"role": "user", "content": "hi"}], "stream": "yes"})["param"]
+        == "stream"
+    )
+    assert error_of(COMPLETIONS, 400, json={"model": fleet.model, "prompt": {"text": "hi"}})["param"] == "prompt"
+    oversize = error_of(COMPLETIONS, 413, json={"model": fleet.model, "prompt": "kv " * MAX_BODY_BYTES})
+    assert f"{MAX_BODY_BYTES:,}" in oversize["message"]
+    assert vllm_prompt_tokens(fleet) == before  # no engine computed anything
+    assert metric(fleet.router.metrics(), "kvstore_router_requests_total", replica="none") >= 8
+
+
+def test_the_routers_token_ids_are_the_engines_for_chat_with_tools_and_completions(fleet):
+    messages = [
+        {"role": "system", "content": system_prompt("ids")},
+        {"role": "user", "content": "read the tier module"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "tiers/host.py"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "class HostTier: slab of fixed slots"},
+        {"role": "assistant", "content": "it is a slab"},
+        {"role": "user", "content": "now run the tests"},
+    ]
+    answers = [
+        fleet.chat(messages, return_token_ids=True),
+        fleet.chat(messages[:2], return_token_ids=True, tools=TOOLS[:1]),
+        fleet.chat(messages, return_token_ids=True, add_generation_prompt=False, continue_final_message=False),
+    ]
+    engine_ids = [answer.body["prompt_token_ids"] for answer in answers]
+    completion = post(
+        fleet.router.url, COMPLETIONS, {"model": fleet.model, "prompt": system_prompt("text"), "max_tokens": 4, "return_token_ids": True}
+    )
+    assert completion.status == 200, completion.body
+    answers.append(completion)
+    engine_ids.append(completion.body["choices"][0]["prompt_token_ids"])
+    for answer, ids in zip(answers, engine_ids):
+        assert answer.headers["x-kvstore-prompt-digest"] == digest_of(ids)
+        assert int(answer.headers["x-kvstore-prompt-tokens"]) == len(ids) == answer.body["usage"]["prompt_tokens"]
+    assert len({digest_of(ids) for ids in engine_ids}) == len(engine_ids)  # tools, turns and flags all change the tokens
+
+
+def test_a_session_stays_on_its_replica_and_its_later_turns_hit(fleet):
+    messages = [{"role": "system", "content": system_prompt("turns")}, {"role": "user", "content": "first question about blocks"}]
+    replicas, previous_prompt = set(), 0
+    for turn in range(4):
+        answer = fleet.chat(messages, session="turns-1")
+        replicas.add(answer.replica)
+        prompt = answer.body["usage"]["prompt_tokens"]
+        if turn > 0:
+            assert answer.headers["x-kvstore-route"] == "sticky"
+            # everything the last turn's prompt filled, but the block its end may re-tokenize
+            assert answer.cached_tokens >= (previous_prompt // BLOCK - 1) * BLOCK > 0, answer.body["usage"]
+        previous_prompt = prompt
+        messages += [
+            {"role": "assistant", "content": answer.body["choices"][0]["message"]["content"]},
+            {"role": "user", "content": f"follow-up number {turn} on the prefix tier"},
+        ]
+    assert len(replicas) == 1
+
+
+def test_a_new_session_sharing_a_system_prompt_goes_to_the_replica_that_holds_it(fleet):
+    a, b = fleet.replicas
+    prompts = {a.node_id: system_prompt("held by a"), b.node_id: system_prompt("held by b")}
+    for node_id, prompt in prompts.items():  # each replica computes one system prompt, bypassing the router
+        fleet.chat([{"role": "system", "content": prompt}, {"role": "user", "content": "warm up"}], url=fleet.replica(node_id).url)
+    time.sleep(1)  # the daemons publish their blocks to Redis in batches
+    for node_id, prompt in prompts.items():
+        answer = fleet.chat([{"role": "system", "content": prompt}, {"role": "user", "content": f"a new session on {node_id}"}])
+        assert answer.replica == node_id
+        assert answer.headers["x-kvstore-route"] == "best_cost"
+        assert answer.headers["x-kvstore-session"].startswith("c:")  # derived from the conversation's start
+        assert answer.cached_tokens >= int(answer.headers["x-kvstore-expected-cached-tokens"]) > 0
+
+
+def test_a_streamed_response_through_the_router_is_token_identical_to_the_engines(fleet):
+    messages = [{"role": "system", "content": system_prompt("stream")}, {"role": "user", "content": "stream me an answer"}]
+    request = {
+        "model": fleet.model,
+        "messages": messages,
+        "max_tokens": 24,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
+    routed = stream(fleet.router.url, CHAT, request)
+    assert routed.status == 200 and routed.replica
+    direct = stream(fleet.replica(routed.replica).url, CHAT, request)
+
+    def tokens(answer: Answer) -> list[int]:
+        return [t for event in answer.events for choice in event.get("choices", []) for t in choice.get("token_ids") or []]
+
+    def text(answer: Answer) -> str:
+        return "".join(choice["delta"].get("content") or "" for event in answer.events for choice in event.get("choices", []))
+
+    assert len(tokens(routed)) == 24 and tokens(routed) == tokens(direct)
+    assert text(routed) == text(direct) and len(routed.events) == len(direct.events)
+    assert routed.events[0]["prompt_token_ids"] == direct.events[0]["prompt_token_ids"]
+    assert routed.headers["x-kvstore-prompt-digest"] == digest_of(direct.events[0]["prompt_token_ids"])
+
+
+def test_two_routers_share_sessions_through_redis(fleet):
+    second = fleet.start_router("router-2")
+    try:
+        turn_1 = [{"role": "system", "content": system_prompt("shared")}, {"role": "user", "content": "turn one"}]
+        first = fleet.chat(turn_1, session="shared-1")
+        home, away = first.replica, fleet.other(first.replica)
+        turn_2 = turn_1 + [{"role": "assistant", "content": first.body["choices"][0]["message"]["content"]}]
+        turn_2 += [{"role": "user", "content": "turn two"}]
+        fleet.chat(turn_2, url=away.url)  # the other replica now holds all of turn two …
+        time.sleep(1)
+        control = fleet.chat(turn_2, url=second.url, session="shared-control")
+        assert control.replica == away.node_id  # … so a session the routers have not seen goes there
+        for turn, url in enumerate((second.url, fleet.router.url, second.url)):
+            answer = fleet.chat(turn_2, url=url, session="shared-1")
+            assert (answer.replica, answer.headers["x-kvstore-route"]) == (home, "sticky"), turn
+    finally:
+        second.stop()
+
+
+def test_metrics_attribute_tokens_to_replicas_and_tenants(fleet):
+    messages = [{"role": "system", "content": system_prompt("tenant")}, {"role": "user", "content": "attribute me"}]
+    payload = {"model": fleet.model, "messages": messages, "max_tokens": 4, "temperature": 0.0}
+    answers = [post(fleet.router.url, CHAT, payload, {"x-tenant-id": "team-a", "x-session-id": "tenant-1"}) for _ in range(2)]
+    assert all(a.status == 200 for a in answers)
+    node_id = answers[0].replica
+    text = fleet.router.metrics()
+    assert metric(text, "kvstore_router_tenant_prompt_tokens_total", tenant="team-a") == sum(
+        a.body["usage"]["prompt_tokens"] for a in answers
+    )
+    assert metric(text, "kvstore_router_tenant_cached_tokens_total", tenant="team-a") == answers[1].cached_tokens > 0
+    assert metric(text, "kvstore_router_prompt_tokens_count", replica=node_id) >= 2
+    assert 0 < metric(text, "kvstore_router_hit_rate", replica=node_id) < 1
+    assert metric(text, "kvstore_router_ttft_seconds_count", replica=node_id, stream="false") >= 2
+    assert metric(text, "kvstore_router_ttft_seconds_count", stream="true") >= 1  # the streaming test's
+    assert metric(text, "kvstore_router_decisions_total", reason="sticky") >= 1
+    assert metric(text, "kvstore_router_decisions_total", reason="best_cost") >= 1
+    for replica in fleet.replicas:
+        assert metric(text, "kvstore_router_replica_healthy", replica=replica.node_id) == 1
+
+
+def test_killing_a_replica_mid_session_moves_the_session_without_a_client_error(fleet):
+    # this router notices only through its requests: its health checks are ten minutes apart
+    blind = fleet.start_router("router-blind", health_interval_s=600)
+    try:
+        # token ids, so that the request itself (not a /tokenize call) is what finds the replica dead
+        rng = random.Random(7)
+        prompt = [rng.randrange(2, 1000) for _ in range(12 * BLOCK)]
+
+        def complete(prompt: list[int]) -> Answer:
+            payload = {"model": fleet.model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "return_token_ids": True}
+            answer = post(blind.url, COMPLETIONS, payload, {"x-session-id": "kill-1"})
+            assert answer.status == 200, answer.body
+            return answer
+
+        first = complete(prompt)
+        doomed, survivor = fleet.replica(first.replica), fleet.other(first.replica)
+        doomed.server.kill()
+        prompt += first.body["choices"][0]["token_ids"] + [rng.randrange(2, 1000) for _ in range(BLOCK)]
+        moved = complete(prompt)
+        assert moved.replica == survivor.node_id and moved.headers["x-kvstore-route"] == "retry"
+        again = complete(prompt)
+        assert again.replica == survivor.node_id and again.headers["x-kvstore-route"] == "sticky"
+        assert again.cached_tokens > 0  # the session's new replica computed and kept its prefix
+        text = blind.metrics()
+        assert metric(text, "kvstore_router_retries_total", replica=doomed.node_id) == 1
+        assert metric(text, "kvstore_router_session_moves_total", reason="retry") == 1
+        assert metric(text, "kvstore_router_replica_healthy", replica=doomed.node_id) == 0
+    finally:
+        blind.stop()
+
+    async def moves() -> list[dict]:
+        store = RedisSessionStore(fleet.redis_url)
+        try:
+            return await store.moves(100)
+        finally:
+            await store.close()
+
+    move = next(m for m in asyncio.run(moves()) if m["session"] == "h:kill-1")
+    assert (move["from"], move["to"]) == (doomed.node_id, survivor.node_id)
+    assert move["reason"].startswith(f"retry after {doomed.node_id}: connect refused")
+    # the router with health checks takes the dead replica out of rotation by itself
+    deadline = time.monotonic() + 30
+    while metric(fleet.router.metrics(), "kvstore_router_replica_healthy", replica=doomed.node_id) != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    payload = {"model": fleet.model, "prompt": prompt, "max_tokens": 4}
+    assert post(fleet.router.url, COMPLETIONS, payload, {"x-session-id": "kill-1"}).replica == survivor.node_id

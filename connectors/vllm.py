@@ -43,6 +43,7 @@ from kvstore.connectors.vllm_compat import (
     KVConnectorMetadata,
     KVConnectorRole,
     cache_hit_sources,
+    check_supported,
     connector_logger,
     engine_geometry,
 )
@@ -72,17 +73,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 "(evicted, or failed its checksum); set 'recompute' to recompute it instead",
                 transfer.kv_load_failure_policy,
             )
-        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-        if len(groups) > 1:
-            raise InvalidArgument(
-                f"this model's KV cache has {len(groups)} groups (hybrid or sliding-window attention); the kvstore "
-                "connector stores one full-attention group and cannot serve it: run it without a KV connector."
-            )
-        if vllm_config.speculative_config is not None:
-            raise InvalidArgument(
-                "the kvstore connector does not store speculative decoding's draft layers (EAGLE, MTP, draft "
-                "models) yet; run without speculative decoding, or without the connector."
-            )
+        check_supported(vllm_config, kv_cache_config)
         settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         geometry = engine_geometry(vllm_config, settings.model_id or None)
         self._scheduler: SchedulerSide | None = None

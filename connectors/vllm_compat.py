@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "connector_logger",
+    "check_supported",
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
     "KVConnectorRole",
@@ -97,6 +98,21 @@ class EngineGeometry:
 # kv_cache_dtype → the element type of the stored bytes. Scales are per layer and come from
 # the checkpoint (1.0 where it has none), so the namespace's model names them.
 FP8_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def check_supported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
+    """Refuse, with a sentence, an engine whose KV the connector cannot store whole."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    if len(groups) > 1:
+        raise InvalidArgument(
+            f"this model's KV cache has {len(groups)} groups (hybrid or sliding-window attention); the kvstore "
+            "connector stores one full-attention group and cannot serve it: run it without a KV connector."
+        )
+    if vllm_config.speculative_config is not None:
+        raise InvalidArgument(
+            "the kvstore connector does not store speculative decoding's draft layers (EAGLE, MTP, draft "
+            "models) yet; run without speculative decoding, or without the connector."
+        )
 
 
 def engine_geometry(vllm_config: VllmConfig, model_id: str | None) -> EngineGeometry:

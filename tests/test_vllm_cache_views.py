@@ -39,3 +39,24 @@ def test_every_kv_cache_layout_is_stored_as_kvstore_planes_and_loaded_back_byte_
     assert all(case["ok"] for case in cases)
     # the views really are of several kinds: some blocks are not one contiguous run
     assert any(not case["block_contiguous"] for case in cases) and any(case["block_contiguous"] for case in cases)
+
+
+def test_configurations_the_connector_cannot_serve_are_refused_with_a_sentence():
+    script = SCRIPT.with_name("vllm_refusals.py")
+    run = subprocess.run([str(VLLM_PYTHON), str(script)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    cases = {case["case"]: case for case in map(json.loads, (line for line in run.stdout.splitlines() if line.startswith("{")))}
+    accepted = {"accepted": "bfloat16", "fp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "mla": "bfloat16"}
+    for name, dtype in accepted.items():
+        assert cases[name]["refused"] is None and cases[name]["dtype"] == dtype, cases[name]
+    said = {
+        "per-token-head int8": "kv_cache_dtype='int8_per_token_head' is not supported",
+        "nvfp4": "kv_cache_dtype='nvfp4' is not supported",
+        "fp8 with skipped layers": "kv_cache_dtype_skip_layers",
+        "pipeline parallel": "pipeline parallelism",
+        "speculative decoding": "speculative decoding",
+        "two KV cache groups": "2 groups",
+    }
+    for name, words in said.items():
+        sentence = cases[name]["refused"]
+        assert sentence and words in sentence and sentence.endswith("."), (name, sentence)

@@ -10,9 +10,12 @@ prompts and session ids of its own; the test that kills a replica runs last.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import re
+import subprocess
+import sys
 import time
 
 import httpx
@@ -270,6 +273,22 @@ def test_metrics_attribute_tokens_to_replicas_and_tenants(fleet):
     assert metric(text, "kvstore_router_decisions_total", reason="best_cost") >= 1
     for replica in fleet.replicas:
         assert metric(text, "kvstore_router_replica_healthy", replica=replica.node_id) == 1
+
+
+def test_draining_a_replicas_daemon_moves_its_sessions_and_the_router_follows_them(fleet):
+    messages = [{"role": "system", "content": system_prompt("drained")}, {"role": "user", "content": "before the drain"}]
+    first = fleet.chat(messages, session="drain-1")
+    source, heir = fleet.replica(first.replica), fleet.other(first.replica)
+    command = [sys.executable, "-m", "kvstore", "--address", source.daemon.address, "--json", "drain", "--to", heir.node_id]
+    drained = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert drained.returncode == 0, drained.stderr
+    report = json.loads(drained.stdout)
+    assert report["sessions_moved"] >= 1 and report["blocks_by_peer"][heir.node_id] > 0
+    messages += [{"role": "assistant", "content": first.body["choices"][0]["message"]["content"]}, {"role": "user", "content": "after"}]
+    moved = fleet.chat(messages, session="drain-1")
+    assert (moved.replica, moved.headers["x-kvstore-route"]) == (heir.node_id, "sticky")
+    # the heir serves the session's chain from the blocks the drain copied to its daemon
+    assert moved.cached_tokens >= (first.body["usage"]["prompt_tokens"] // BLOCK - 1) * BLOCK
 
 
 def test_killing_a_replica_mid_session_moves_the_session_without_a_client_error(fleet):

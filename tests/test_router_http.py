@@ -195,6 +195,20 @@ def test_a_session_stays_on_its_replica_and_its_later_turns_hit(fleet):
     assert len(replicas) == 1
 
 
+def test_a_cache_salt_is_hashed_as_the_engine_keys_it(fleet):
+    messages = [{"role": "system", "content": system_prompt("salted")}, {"role": "user", "content": "a tenant's prompt"}]
+    first = fleet.chat(messages, session="salt-1", cache_salt="tenant-x")
+    time.sleep(1)  # the daemon publishes its blocks to Redis in batches
+    again = fleet.chat(messages, session="salt-2", cache_salt="tenant-x")  # another session: only the index can send it there
+    assert again.replica == first.replica
+    # what the router expected to find is what the engine found (the engine computes a prompt's last token
+    # even when every block is cached): the salted chain's keys are the connector's
+    expected = min(int(again.headers["x-kvstore-expected-cached-tokens"]), again.body["usage"]["prompt_tokens"] - 1)
+    assert again.cached_tokens == expected > 0
+    unsalted = fleet.chat(messages, session="salt-3")
+    assert int(unsalted.headers["x-kvstore-expected-cached-tokens"]) < again.cached_tokens  # never the tenant's blocks
+
+
 def test_a_new_session_sharing_a_system_prompt_goes_to_the_replica_that_holds_it(fleet):
     a, b = fleet.replicas
     prompts = {a.node_id: system_prompt("held by a"), b.node_id: system_prompt("held by b")}

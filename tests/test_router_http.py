@@ -10,9 +10,12 @@ prompts and session ids of its own; the test that kills a replica runs last.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import re
+import subprocess
+import sys
 import time
 
 import httpx
@@ -192,6 +195,20 @@ def test_a_session_stays_on_its_replica_and_its_later_turns_hit(fleet):
     assert len(replicas) == 1
 
 
+def test_a_cache_salt_is_hashed_as_the_engine_keys_it(fleet):
+    messages = [{"role": "system", "content": system_prompt("salted")}, {"role": "user", "content": "a tenant's prompt"}]
+    first = fleet.chat(messages, session="salt-1", cache_salt="tenant-x")
+    time.sleep(1)  # the daemon publishes its blocks to Redis in batches
+    again = fleet.chat(messages, session="salt-2", cache_salt="tenant-x")  # another session: only the index can send it there
+    assert again.replica == first.replica
+    # what the router expected to find is what the engine found (the engine computes a prompt's last token
+    # even when every block is cached): the salted chain's keys are the connector's
+    expected = min(int(again.headers["x-kvstore-expected-cached-tokens"]), again.body["usage"]["prompt_tokens"] - 1)
+    assert again.cached_tokens == expected > 0
+    unsalted = fleet.chat(messages, session="salt-3")
+    assert int(unsalted.headers["x-kvstore-expected-cached-tokens"]) < again.cached_tokens  # never the tenant's blocks
+
+
 def test_a_new_session_sharing_a_system_prompt_goes_to_the_replica_that_holds_it(fleet):
     a, b = fleet.replicas
     prompts = {a.node_id: system_prompt("held by a"), b.node_id: system_prompt("held by b")}
@@ -270,6 +287,22 @@ def test_metrics_attribute_tokens_to_replicas_and_tenants(fleet):
     assert metric(text, "kvstore_router_decisions_total", reason="best_cost") >= 1
     for replica in fleet.replicas:
         assert metric(text, "kvstore_router_replica_healthy", replica=replica.node_id) == 1
+
+
+def test_draining_a_replicas_daemon_moves_its_sessions_and_the_router_follows_them(fleet):
+    messages = [{"role": "system", "content": system_prompt("drained")}, {"role": "user", "content": "before the drain"}]
+    first = fleet.chat(messages, session="drain-1")
+    source, heir = fleet.replica(first.replica), fleet.other(first.replica)
+    command = [sys.executable, "-m", "kvstore", "--address", source.daemon.address, "--json", "drain", "--to", heir.node_id]
+    drained = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert drained.returncode == 0, drained.stderr
+    report = json.loads(drained.stdout)
+    assert report["sessions_moved"] >= 1 and report["blocks_by_peer"][heir.node_id] > 0
+    messages += [{"role": "assistant", "content": first.body["choices"][0]["message"]["content"]}, {"role": "user", "content": "after"}]
+    moved = fleet.chat(messages, session="drain-1")
+    assert (moved.replica, moved.headers["x-kvstore-route"]) == (heir.node_id, "sticky")
+    # the heir serves the session's chain from the blocks the drain copied to its daemon
+    assert moved.cached_tokens >= (first.body["usage"]["prompt_tokens"] // BLOCK - 1) * BLOCK
 
 
 def test_killing_a_replica_mid_session_moves_the_session_without_a_client_error(fleet):

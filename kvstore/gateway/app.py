@@ -45,7 +45,7 @@ from kvstore.errors import KVStoreError
 from kvstore.gateway.config import RouterConfig
 from kvstore.gateway.disagg import decode_transfer_params, prefill_request
 from kvstore.gateway.metrics import RouterMetrics
-from kvstore.gateway.prompts import BadRequest, prompt_token_ids, session_of, tokenize_request, tokens_digest
+from kvstore.gateway.prompts import BadRequest, block_extra_keys, prompt_token_ids, session_of, tokenize_request, tokens_digest
 from kvstore.gateway.replicas import Replica, ReplicaSet
 from kvstore.hashing import chain_hashes
 from kvstore.index.backends import open_index
@@ -133,7 +133,8 @@ class Gateway:
             if not isinstance(stream, bool):
                 raise BadRequest("'stream' must be true or false.", "stream")
             token_ids = await self._token_ids(kind, payload, request)
-            hashes = chain_hashes(token_ids, self.config.namespace.block_size)
+            block_size = self.config.namespace.block_size
+            hashes = chain_hashes(token_ids, block_size, extra_keys=block_extra_keys(payload, len(token_ids) // block_size))
             session = session_of(request.headers, self.config.session_header, kind, payload, hashes, self.config.session_prefix_blocks)
         except BadRequest as exc:
             self.metrics.requests.labels("none", str(exc.status)).inc()

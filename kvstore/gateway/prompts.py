@@ -20,11 +20,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import xxhash
 
 from kvstore.hashing import BlockHash
 
-__all__ = ["BadRequest", "tokenize_request", "prompt_token_ids", "session_of", "tokens_digest"]
+__all__ = ["BadRequest", "block_extra_keys", "tokenize_request", "prompt_token_ids", "session_of", "tokens_digest"]
 
 # what /tokenize takes besides the prompt: the fields of a chat request that change its tokens
 _CHAT_TOKENIZE_FIELDS = (
@@ -89,6 +90,21 @@ def tokenize_request(kind: str, payload: Mapping[str, Any]) -> dict[str, Any]:
         if name in payload and payload[name] is not None:
             body[name] = payload[name]
     return body
+
+
+def block_extra_keys(payload: Mapping[str, Any], num_blocks: int) -> list[bytes | None] | None:
+    """What besides its tokens each block's KV depends on, as the vLLM connector keys it
+    (connectors/vllm_compat.block_extra_keys: msgpack of vLLM's own extra hash keys): a
+    request's ``cache_salt`` is vLLM's ``(("cache_salt", salt),)`` on the first block,
+    and through the chain every block after it. LoRA adapters and multimodal inputs are
+    not keyed here: such requests are routed by their tokens alone (they find nothing).
+    tests/test_router_http.py checks the salted keys against a real engine's."""
+    salt = payload.get("cache_salt")
+    if salt is None or salt == "" or num_blocks == 0:
+        return None
+    if not isinstance(salt, str):
+        raise BadRequest("'cache_salt' must be a string.", "cache_salt")
+    return [msgpack.packb((("cache_salt", salt),), use_bin_type=True)] + [None] * (num_blocks - 1)
 
 
 def tokens_digest(token_ids: Sequence[int]) -> str:

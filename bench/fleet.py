@@ -19,8 +19,9 @@ tokens the engines computed per request (prompt minus cached tokens, from their 
 token hit rate per replica and its spread, requests per second. The prompt tokens are
 token ids (a completion's prompt), so no tokenizer differs between the policies.
 
-Not measured here (yet): plain vLLM without kvstore behind round-robin, and the
-simulator's prediction of the same run. On a shared 2-core machine TTFT figures are noisy;
+Then, as the line users run today, the same workload round-robin over fresh plain vLLM
+replicas (their own prefix cache on, no kvstore), once the others are stopped. Not
+measured here (yet): the simulator's prediction of the same run. On a shared 2-core machine TTFT figures are noisy;
 `--quick` takes longer than a minute, because starting the replicas alone takes one or two.
 """
 
@@ -39,8 +40,8 @@ import xxhash
 
 from bench.redis_server import RedisServer, find_redis_server
 from bench.report import Report, parse_args
-from bench.router_fleet import Replica, start_router, start_servers
-from bench.vllm_engine import build_model
+from bench.router_fleet import BLOCK, Replica, free_port, start_router, start_servers
+from bench.vllm_engine import ApiServer, build_model
 from kvstore.spawn import spawn_daemon
 
 MiB = 1024**2
@@ -87,7 +88,7 @@ def run_policy(name: str, shape: Shape, seed: int, model: str, replicas: list[Re
     def target(session: int) -> tuple[str, str]:
         if name == "kvstore":
             return router_url, ""
-        if name == "round_robin":
+        if name in ("round_robin", "plain_vllm_round_robin"):
             with lock:
                 i = next(counter)
             replica = replicas[i % len(replicas)]
@@ -165,6 +166,30 @@ def summarize(name: str, samples: list[Sample], seconds: float, replica_ids: lis
         "hit_rate_cv": std / mean if mean else 0.0,
         "requests_per_s": len(samples) / seconds,
     }
+
+
+def start_plain_servers(model: Path, workdir: Path, num_replicas: int) -> list[Replica]:
+    """vLLM OpenAI servers as users run them today: their own prefix cache, no kvstore."""
+    servers: dict[int, ApiServer] = {}
+    errors: list[BaseException] = []
+
+    def start(i: int) -> None:
+        plan = {"model": str(model), "block_size": BLOCK, "max_model_len": 4096, "connector": None, "prefix_caching": True}
+        try:
+            servers[i] = ApiServer(plan, workdir, f"plain-{i}", free_port(), timeout_s=600)
+        except BaseException as exc:  # noqa: BLE001 (re-raised below, in the caller's thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(num_replicas)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        for server in servers.values():
+            server.kill()
+        raise errors[0]
+    return [Replica(_Daemon(f"plain-{i}", Path(), None), servers[i]) for i in range(num_replicas)]
 
 
 def decisions_of(exposition: str) -> dict[str, float]:
@@ -258,6 +283,15 @@ def main() -> None:
             if name == "kvstore":
                 summaries[name]["decisions"] = decisions_of(router.metrics())
             report.results.append(summaries[name] | {"shape": shape.__dict__, "routing": routing, "model": args.size})
+        # the line users run today: vLLM's own prefix cache, no kvstore, round-robin (on fresh replicas, the others stopped)
+        router.stop()
+        for replica in replicas:
+            replica.server.kill()
+        replicas = start_plain_servers(model, workdir, args.replicas)
+        calibrate(str(model), replicas, shape)  # the same first requests as the others had
+        samples, seconds = run_policy("plain_vllm_round_robin", shape, 4, str(model), replicas, "")
+        summaries["plain_vllm_round_robin"] = summarize("plain_vllm_round_robin", samples, seconds, [r.node_id for r in replicas])
+        report.results.append(summaries["plain_vllm_round_robin"] | {"shape": shape.__dict__, "model": args.size})
         columns = ["policy", "requests", "ttft_p50_s", "ttft_p99_s", "prefill_tokens_per_request", "hit_rate", "hit_rate_cv"]
         columns.append("requests_per_s")
         report.print_table(
@@ -271,6 +305,9 @@ def main() -> None:
         session_hash = summaries["session_hash"]
         report.ratio("prefill_tokens_vs_session_hash", ours["prefill_tokens_per_request"] / session_hash["prefill_tokens_per_request"])
         report.ratio("hit_rate_kvstore", ours["hit_rate"])
+        plain = summaries["plain_vllm_round_robin"]
+        report.ratio("prefill_tokens_vs_plain_vllm", ours["prefill_tokens_per_request"] / plain["prefill_tokens_per_request"])
+        report.ratio("ttft_p50_vs_plain_vllm", ours["ttft_p50_s"] / plain["ttft_p50_s"])
         print(f"kvstore router's decisions: {ours['decisions']}")
     finally:
         if router is not None:

@@ -326,18 +326,45 @@ def _print_fleet(document: dict) -> None:
     )
 
 
+def _print_router(document: dict) -> None:
+    columns = ["replica", "requests", "prompt tokens", "prefill tokens", "hit rate", "TTFT p50", "TTFT p99"]
+    rows = []
+    for node_id, r in document["replicas"].items():
+        rate = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}"
+        ttft = [f"{r[k]:.3f} s" if r.get(k) is not None else "-" for k in ("ttft_p50_s", "ttft_p99_s")]
+        rows.append([node_id, r["requests"], r["prompt_tokens"], r["prefill_tokens"], rate, *ttft])
+    click.echo("router:")
+    _table(columns, rows)
+    cv = document["hit_rate_cv"]
+    click.echo(f"hit-rate spread across replicas: std {document['hit_rate_std']:.3f}, CV {'-' if cv is None else f'{cv:.3f}'}")
+    click.echo(f"decisions {document['decisions']}  session moves {document['session_moves']}")
+
+
 @main.command()
 @click.option("--watch", type=float, default=None, metavar="SECONDS", help="print again every SECONDS until interrupted.")
 @click.option("--fleet", is_flag=True, help="every live node in the index: hit rate per node, the fleet's, and its spread.")
+@click.option("--router", "router_url", metavar="URL", help="with --fleet: also the figures of the kvstore router at URL.")
 @click.pass_obj
 @_guarded
-def stats(ctx: Context, watch: float | None, fleet: bool) -> None:
+def stats(ctx: Context, watch: float | None, fleet: bool, router_url: str | None) -> None:
     """Counters and occupancy of the daemon (or of the fleet)."""
+    if router_url and not fleet:
+        _fail("--router goes with --fleet.", EXIT_USAGE)
     with ctx.client() as client:
         while True:
             if fleet:
                 document = _fleet_document(ctx, client)
-                ctx.emit(document, functools.partial(_print_fleet, document))
+                if router_url:
+                    from kvstore.gateway.summary import fetch_router_summary
+
+                    document["router"] = fetch_router_summary(router_url)
+
+                def human(document=document) -> None:
+                    _print_fleet(document)
+                    if "router" in document:
+                        _print_router(document["router"])
+
+                ctx.emit(document, human)
             else:
                 document = _stats_document(client)
                 ctx.emit(document, functools.partial(_print_stats, document))

@@ -17,6 +17,7 @@ from kvstore.gateway.config import ReplicaConfig, load_router_config
 from kvstore.gateway.metrics import OTHER_TENANT, RouterMetrics, TenantLabels
 from kvstore.gateway.prompts import BadRequest, prompt_token_ids, session_of, tokenize_request, tokens_digest
 from kvstore.gateway.replicas import Replica, engine_queue
+from kvstore.gateway.summary import histogram_quantile, router_summary
 from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
@@ -186,3 +187,20 @@ def test_the_engines_own_queue_counts_in_a_replicas_load():
     assert replica.candidate().active_requests == 1  # only what the router sent
     replica.engine_requests = engine_queue(exposition)
     assert replica.candidate().active_requests == 3  # three more than the router's own two
+
+
+def test_the_routers_summary_for_stats_fleet():
+    metrics = RouterMetrics(["r1", "r2"], max_tenants=4)
+    metrics.usage("r1", "t", 1000, 750)
+    metrics.requests.labels("r1", "200").inc()
+    metrics.requests.labels("none", "400").inc()  # answered by the router itself: no replica's
+    for seconds in (0.02, 0.03, 0.04, 0.3):  # buckets 0.025, 0.05, 0.05, 0.5
+        metrics.ttft.labels("r1", "false").observe(seconds)
+    metrics.decisions.labels("sticky").inc(3)
+    summary = router_summary(generate_latest(metrics.registry).decode())
+    r1 = summary["replicas"]["r1"]
+    assert (r1["requests"], r1["prompt_tokens"], r1["prefill_tokens"], r1["cached_tokens"], r1["hit_rate"]) == (1, 1000, 250, 750, 0.75)
+    assert r1["ttft_p50_s"] == pytest.approx(0.025 + 0.025 * (2 - 1) / 2)  # the 2nd of 4 lies halfway into (0.025, 0.05]
+    assert 0.25 < r1["ttft_p99_s"] <= 0.5
+    assert summary["replicas"]["r2"]["hit_rate"] is None and summary["decisions"] == {"sticky": 3.0}
+    assert histogram_quantile(0.5, []) is None

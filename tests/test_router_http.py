@@ -287,6 +287,15 @@ def test_metrics_attribute_tokens_to_replicas_and_tenants(fleet):
     assert metric(text, "kvstore_router_decisions_total", reason="best_cost") >= 1
     for replica in fleet.replicas:
         assert metric(text, "kvstore_router_replica_healthy", replica=replica.node_id) == 1
+    # the same figures in `kvstore stats --fleet --router URL`, beside the daemons'
+    command = [sys.executable, "-m", "kvstore", "--address", fleet.replicas[0].daemon.address, "--json", "stats", "--fleet"]
+    shown = subprocess.run([*command, "--router", fleet.router.url], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    document = json.loads(shown.stdout)
+    assert {n["node_id"] for n in document["nodes"]} == {r.node_id for r in fleet.replicas}
+    row = document["router"]["replicas"][node_id]
+    assert row["prompt_tokens"] >= sum(a.body["usage"]["prompt_tokens"] for a in answers) and 0 < row["hit_rate"] < 1
+    assert row["ttft_p50_s"] > 0 and document["router"]["decisions"]["sticky"] >= 1
 
 
 def test_draining_a_replicas_daemon_moves_its_sessions_and_the_router_follows_them(fleet):

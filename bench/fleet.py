@@ -40,8 +40,8 @@ import xxhash
 
 from bench.redis_server import RedisServer, find_redis_server
 from bench.report import Report, parse_args
-from bench.router_fleet import BLOCK, Replica, free_port, start_router, start_servers
-from bench.vllm_engine import ApiServer, build_model
+from bench.router_fleet import BLOCK, Replica, start_in_parallel, start_router, start_servers
+from bench.vllm_engine import build_model
 from kvstore.spawn import spawn_daemon
 
 MiB = 1024**2
@@ -170,26 +170,9 @@ def summarize(name: str, samples: list[Sample], seconds: float, replica_ids: lis
 
 def start_plain_servers(model: Path, workdir: Path, num_replicas: int) -> list[Replica]:
     """vLLM OpenAI servers as users run them today: their own prefix cache, no kvstore."""
-    servers: dict[int, ApiServer] = {}
-    errors: list[BaseException] = []
-
-    def start(i: int) -> None:
-        plan = {"model": str(model), "block_size": BLOCK, "max_model_len": 4096, "connector": None, "prefix_caching": True}
-        try:
-            servers[i] = ApiServer(plan, workdir, f"plain-{i}", free_port(), timeout_s=600)
-        except BaseException as exc:  # noqa: BLE001 (re-raised below, in the caller's thread)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(i,)) for i in range(num_replicas)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        for server in servers.values():
-            server.kill()
-        raise errors[0]
-    return [Replica(_Daemon(f"plain-{i}", Path(), None), servers[i]) for i in range(num_replicas)]
+    plan = {"model": str(model), "block_size": BLOCK, "max_model_len": 4096, "connector": None, "prefix_caching": True}
+    servers = start_in_parallel([(plan, f"plain-{i}") for i in range(num_replicas)], workdir, timeout_s=600)
+    return [Replica(_Daemon(f"plain-{i}", Path(), None), server) for i, server in enumerate(servers)]
 
 
 def decisions_of(exposition: str) -> dict[str, float]:

@@ -148,22 +148,20 @@ def start_router(
 _CONNECTOR_ROLES = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
 
 
-def start_servers(model: Path, workdir: Path, daemons: list[Daemon], roles: list[str] | None = None) -> list[Replica]:
-    """One vLLM OpenAI server per daemon, started in parallel (each takes most of a minute)."""
-    roles = roles or ["both"] * len(daemons)
+def start_in_parallel(plans: list[tuple[dict, str]], workdir: Path, timeout_s: float) -> list[ApiServer]:
+    """One vLLM OpenAI server per ``(plan, name)``, started in parallel (each takes most
+    of a minute); if any fails to start, the others are stopped and its error raised."""
     servers: dict[int, ApiServer] = {}
     errors: list[BaseException] = []
 
-    def start(i: int, daemon: Daemon) -> None:
-        extra = {"socket_path": str(daemon.socket)} | ({"handoff_timeout_s": 30} if roles[i] == "decode" else {})
-        connector = {"name": "KVStoreConnector", "module": "kvstore.connectors.vllm", "role": _CONNECTOR_ROLES[roles[i]], "extra": extra}
-        plan = {"model": str(model), "block_size": BLOCK, "max_model_len": 4096, "connector": connector}
+    def start(i: int) -> None:
+        plan, name = plans[i]
         try:
-            servers[i] = ApiServer(plan, workdir, f"replica-{daemon.node_id}", free_port(), timeout_s=400)
+            servers[i] = ApiServer(plan, workdir, name, free_port(), timeout_s=timeout_s)
         except BaseException as exc:  # noqa: BLE001 (re-raised below, in the caller's thread)
             errors.append(exc)
 
-    threads = [threading.Thread(target=start, args=(i, d)) for i, d in enumerate(daemons)]
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(len(plans))]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -172,6 +170,20 @@ def start_servers(model: Path, workdir: Path, daemons: list[Daemon], roles: list
         for server in servers.values():
             server.kill()
         raise errors[0]
+    return [servers[i] for i in range(len(plans))]
+
+
+def start_servers(model: Path, workdir: Path, daemons: list[Daemon], roles: list[str] | None = None) -> list[Replica]:
+    """One vLLM OpenAI server per daemon, started in parallel."""
+    roles = roles or ["both"] * len(daemons)
+    plans = []
+    for i, daemon in enumerate(daemons):
+        extra = {"socket_path": str(daemon.socket)} | ({"handoff_timeout_s": 30} if roles[i] == "decode" else {})
+        connector = {"name": "KVStoreConnector", "module": "kvstore.connectors.vllm", "role": _CONNECTOR_ROLES[roles[i]], "extra": extra}
+        plans.append(
+            ({"model": str(model), "block_size": BLOCK, "max_model_len": 4096, "connector": connector}, f"replica-{daemon.node_id}")
+        )
+    servers = start_in_parallel(plans, workdir, timeout_s=400)
     return [Replica(daemon, servers[i], roles[i]) for i, daemon in enumerate(daemons)]
 
 

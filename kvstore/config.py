@@ -48,7 +48,17 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["ConfigError", "ServerConfig", "IndexConfig", "RoutingConfig", "DaemonConfig", "load_config", "parse_size", "parse_overrides"]
+__all__ = [
+    "ConfigError",
+    "ServerConfig",
+    "IndexConfig",
+    "RoutingConfig",
+    "DaemonConfig",
+    "load_config",
+    "read_toml",
+    "parse_size",
+    "parse_overrides",
+]
 
 GiB = 1024**3
 MiB = 1024**2
@@ -320,6 +330,16 @@ def parse_overrides(pairs: list[str]) -> dict[str, dict[str, Any]]:
     return found
 
 
+def read_toml(path: Path | str) -> dict[str, Any]:
+    """The TOML document at ``path``; a file that cannot be read or parsed is a ConfigError with a sentence."""
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read the configuration file {path}: {exc.strerror}.") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}.") from exc
+
+
 def load_config(
     path: Path | None = None,
     environ: Mapping[str, str] | None = None,
@@ -331,13 +351,7 @@ def load_config(
     if path is None and environ.get("KVSTORE_CONFIG"):
         path = Path(environ["KVSTORE_CONFIG"])
     if path is not None:
-        try:
-            document = tomllib.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError(f"cannot read the configuration file {path}: {exc.strerror}.") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path} is not valid TOML: {exc}.") from exc
-        _merge(values, document, str(path))
+        _merge(values, read_toml(path), str(path))
     _merge(values, _from_env(environ), "environment")
     if overrides:
         _merge(values, overrides, "command line")

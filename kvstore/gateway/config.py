@@ -33,15 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstore.config import ConfigError, RoutingConfig, parse_size
+from kvstore.config import ConfigError, RoutingConfig, parse_size, read_toml
 from kvstore.errors import InvalidArgument
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 
 if sys.version_info >= (3, 11):
-    import tomllib
+    pass
 else:  # pragma: no cover
-    import tomli as tomllib
+    pass
 
 __all__ = ["ReplicaConfig", "RouterConfig", "load_router_config", "namespace_from"]
 
@@ -171,14 +171,7 @@ def load_router_config(
 ) -> RouterConfig:
     """``[router]`` of the file at ``path`` ← ``overrides`` (``{"port": 9000, …}``); replicas
     given here are added to the file's."""
-    document: dict[str, Any] = {}
-    if path is not None:
-        try:
-            document = tomllib.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError(f"cannot read the configuration file {path}: {exc.strerror}.") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path} is not valid TOML: {exc}.") from exc
+    document: dict[str, Any] = read_toml(path) if path is not None else {}
     section = dict(document.get("router", {}))
     section.update(overrides or {})
     fields = {f.name: f for f in dataclasses.fields(RouterConfig)}

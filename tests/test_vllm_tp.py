@@ -70,15 +70,28 @@ def fleet(tmp_path_factory):
         yield serve, daemon, models
 
 
+P, Q = prompt(51), prompt(52)
+HEAD = prompt(55)
+LONGER = HEAD + prompt(56)[:600]  # 50 whole blocks: after HEAD's 31 are loaded, the load step computes 19
+
+
+@pytest.fixture(scope="module")
+def expected(fleet):
+    """What the same two ranks decode without kvstore (TP's reductions round differently
+    from one rank's), for every tiny-model prompt whose output a test checks: one engine."""
+    serve, _, _ = fleet
+    results = serve("tp-baseline", "tiny", [P, Q, LONGER], connector=False)["results"]
+    return dict(zip(("P", "Q", "LONGER"), (r["tokens"] for r in results)))
+
+
 def _rank_namespace(model, rank: int) -> Namespace:
     return Namespace(str(model), KVLayout(2, 1, 64, BLOCK, "bfloat16", 2, "HND"), rank, 2)  # 2 KV heads, one per rank
 
 
-def test_both_ranks_save_and_load_their_heads_and_decode_what_they_decode_without_kvstore(fleet):
+def test_both_ranks_save_and_load_their_heads_and_decode_what_they_decode_without_kvstore(fleet, expected):
     serve, daemon, models = fleet
-    p, q = prompt(51), prompt(52)
-    # the same two ranks without kvstore: TP's reductions round differently from one rank's
-    expected = [r["tokens"] for r in serve("tp-baseline", "tiny", [p, q], connector=False)["results"]]
+    p, q = P, Q
+    expected = [expected["P"], expected["Q"]]
     assert [r["tokens"] for r in serve("tp-a", "tiny", [p, q])["results"]] == expected
     with KVStoreClient(daemon.socket) as client:
         for rank in (0, 1):
@@ -102,16 +115,14 @@ def test_a_block_one_rank_lacks_is_a_miss_for_the_whole_request(fleet):
     assert result["num_cached_tokens"] == 10 * BLOCK  # the hit ends where one rank misses
 
 
-def test_a_block_that_fails_to_load_on_one_rank_poisons_no_save_of_the_other(fleet):
+def test_a_block_that_fails_to_load_on_one_rank_poisons_no_save_of_the_other(fleet, expected):
     """Rank 1's copy of a block fails its checksum at load; rank 0 loads all of it. Both
     ranks computed the step's new tokens on rank 1's bad KV (the ranks' attention outputs
     are summed), so neither may save them: the ranks agree on what failed before saving.
     vLLM recomputes from the failed block, and what the store then holds decodes what an
     instance without kvstore decodes."""
     serve, daemon, models = fleet
-    head = prompt(55)
-    longer = head + prompt(56)[:600]  # 50 whole blocks: the load step computes the last 19 on the loaded KV
-    expected = serve("tp-poison-baseline", "tiny", [longer], connector=False)["results"][0]["tokens"]
+    head, longer, expected = HEAD, LONGER, expected["LONGER"]
     serve("tp-poison-a", "tiny", [head])
     bad_block = 5
     with KVStoreClient(daemon.socket) as client:

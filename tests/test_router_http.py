@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import re
 import subprocess
@@ -21,17 +20,14 @@ import time
 import httpx
 import pytest
 from daemon_harness import daemons
+from vllm_venv import require_vllm_venv
 
 from bench.router_fleet import BLOCK, Answer, digest_of, model_with_chat_template, post, start_router, start_servers, stream
-from bench.vllm_engine import VLLM_PYTHON
 from kvstore.index.redis import RedisSessionStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{VLLM_PYTHON} is missing: `make test` should have built it with `make vllm-venv`.")
-    pytest.skip(f"no vLLM venv at {VLLM_PYTHON}; run `make vllm-venv`", allow_module_level=True)
+require_vllm_venv()
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MAX_BODY_BYTES = 1 << 20

@@ -5,21 +5,17 @@ KV layer by layer to the decode replica's daemon; the decode replica answers the
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
 from daemon_harness import daemons
+from vllm_venv import require_vllm_venv
 
 from bench.router_fleet import BLOCK, model_with_chat_template, post, start_router, start_servers, stream
-from bench.vllm_engine import VLLM_PYTHON
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{VLLM_PYTHON} is missing: `make test` should have built it with `make vllm-venv`.")
-    pytest.skip(f"no vLLM venv at {VLLM_PYTHON}; run `make vllm-venv`", allow_module_level=True)
+require_vllm_venv()
 
 PROMPT = "prefill on one replica and decode on another " * 40
 

@@ -8,20 +8,16 @@ checks that what kvstore stores is its planes and what it loads is the same byte
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
-import pytest
+from vllm_venv import require_vllm_venv
 
 from bench.vllm_engine import VLLM_PYTHON
 
 SCRIPT = Path(__file__).with_name("vllm_cache_views.py")
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{VLLM_PYTHON} is missing: `make test` should have built it with `make vllm-venv`.")
-    pytest.skip(f"no vLLM venv at {VLLM_PYTHON}; run `make vllm-venv`", allow_module_level=True)
+require_vllm_venv()
 
 
 def test_every_kv_cache_layout_is_stored_as_kvstore_planes_and_loaded_back_byte_for_byte():

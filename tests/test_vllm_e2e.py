@@ -22,7 +22,6 @@ must get those prefixes from kvstore alone:
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import socket
@@ -36,6 +35,7 @@ from pathlib import Path
 import pytest
 from daemon_harness import Daemon, daemons
 from test_manager_nvme import flip_a_byte_of
+from vllm_venv import require_vllm_venv
 
 from bench.vllm_engine import VLLM_PYTHON, ApiServer, build_model, engine_process
 from kvstore.api.client import connect
@@ -47,10 +47,7 @@ from kvstore.namespace import Namespace
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{VLLM_PYTHON} is missing: `make test` should have built it with `make vllm-venv`.")
-    pytest.skip(f"no vLLM venv at {VLLM_PYTHON}; run `make vllm-venv`", allow_module_level=True)
+require_vllm_venv()
 
 BLOCK = 32
 PROMPT_TOKENS = 1000  # 31 full blocks; a full hit leaves the last partial block to compute

@@ -9,12 +9,11 @@ the output (the latent is really used)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from daemon_harness import daemons
+from vllm_venv import require_vllm_venv
 
-from bench.vllm_engine import VLLM_PYTHON, build_model, engine_process
+from bench.vllm_engine import build_model, engine_process
 from bench.vllm_model import MLA_CUSTOM_OPS
 from kvstore.client import KVStoreClient
 from kvstore.hashing import chain_hashes
@@ -23,10 +22,7 @@ from kvstore.namespace import Namespace
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{VLLM_PYTHON} is missing: `make test` should have built it with `make vllm-venv`.")
-    pytest.skip(f"no vLLM venv at {VLLM_PYTHON}; run `make vllm-venv`", allow_module_level=True)
+require_vllm_venv()
 
 BLOCK = 32
 PROMPT_TOKENS = 1000

@@ -8,15 +8,15 @@ same latent, so one copy is stored (rank 0 writes it) and every rank loads it.""
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 
 import pytest
 from daemon_harness import daemons
 from test_manager_nvme import flip_a_byte_of
+from vllm_venv import require_vllm_venv
 
-from bench.vllm_engine import VLLM_PYTHON, build_model, engine_process
+from bench.vllm_engine import build_model, engine_process
 from bench.vllm_model import MLA_CUSTOM_OPS
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
@@ -27,10 +27,7 @@ from kvstore.namespace import Namespace
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{VLLM_PYTHON} is missing: `make test` should have built it with `make vllm-venv`.")
-    pytest.skip(f"no vLLM venv at {VLLM_PYTHON}; run `make vllm-venv`", allow_module_level=True)
+require_vllm_venv()
 
 BLOCK = 32
 PROMPT_TOKENS = 1000

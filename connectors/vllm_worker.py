@@ -100,7 +100,6 @@ class WorkerSide:
         # this step's state, cleared by finish_step
         self._leases: list[Lease] = []
         self._layer_loads: list[CopyJob] = []
-        self._loading_block_ids: list[int] = []
         self._saves: list[tuple[SaveSpec, PendingSave]] | None = None
         self._save_runs: list[BlockRun] = []
         self._layer_saves: list[CopyJob] = []
@@ -180,7 +179,6 @@ class WorkerSide:
                 )
             if loaded:
                 runs += runs_of(spec.block_ids[:loaded], lease.views, self._block_bytes)
-                self._loading_block_ids.extend(spec.block_ids[:loaded])
                 self.counters.loaded_blocks += loaded
         if runs:
             if self._device is not None:
@@ -255,7 +253,7 @@ class WorkerSide:
         complete = saves_copied and len(self._saved_layers) == len(self._caches)
         for spec, pending in self._saves or ():
             self._finish_save(spec, pending, complete and not any(block in self._failed_recently for block in spec.reads))
-        self._leases, self._layer_loads, self._loading_block_ids = [], [], []
+        self._leases, self._layer_loads = [], []
         self._saves, self._save_runs, self._layer_saves, self._saved_layers = None, [], [], set()
         self._first_failed, self._failed_this_step = {}, set()
         self._step += 1

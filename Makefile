@@ -71,8 +71,10 @@ bench-quick: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 gpu-check:
 	bash scripts/gpu_check.sh
 
-# Here: the wheels such a machine (Python 3.12, torch and most of the rest preinstalled) lacks.
-GPU_WHEELS ?= zstandard grpcio-health-checking grpcio-reflection pyzmq
+# Here: the wheels such a machine (Python 3.12, torch and most of the rest preinstalled) lacks,
+# ucxx and its libraries included (~51 MiB of them: with the tree, under the device's 64 MiB).
+GPU_WHEELS ?= zstandard grpcio-health-checking grpcio-reflection pyzmq \
+	ucxx-cu12==0.52.0 libucxx-cu12==0.52.0 libucx-cu12==1.21.0 rmm-cu12==26.10.0 librmm-cu12==26.10.0 rapids-logger==0.3.0
 gpu-wheels:
 	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)

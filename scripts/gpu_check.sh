@@ -5,7 +5,8 @@
 # a scratch site directory, then runs the tests marked `gpu` (the vLLM connector's CUDA
 # copy engine over every cache layout, pinned slab, per-layer events), the copy engine
 # bench (GB/s against raw cudaMemcpyAsync, overlap with a simulated forward pass) and the
-# transport bench, whose overlap figure launches the layers' compute on the GPU. Figures and logs go to
+# transport bench (with UCX, from the carried ucxx wheels, on the machine's many cores),
+# whose overlap figure launches the layers' compute on the GPU. Figures and logs go to
 # $OUT when it is set (the device tool's output folder), else to bench/out/gpu-check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,5 +24,6 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$OUT/gpu-tests.log" || status=1
 "$PYTHON" -m bench.gpu_copies --quick --json 2>&1 | tee "$OUT/gpu_copies.log" || status=1
+"$PYTHON" -c "import ucxx" 2>/dev/null || echo "ucxx does not import: the transport bench runs TCP only (make gpu-wheels fetches ucxx)" | tee "$OUT/ucx.txt"
 "$PYTHON" -m bench.transport --quick --json 2>&1 | tee "$OUT/transport.log" || status=1
 exit $status

@@ -67,7 +67,7 @@ class EngineSubscriptions:
         self.retry_s = retry_s
         self._clock = clock
         self._engines = [_Engine(config) for config in self.configs]
-        self._stopping = False
+        self._stopping = asyncio.Event()
 
     def start(self) -> None:
         for engine in self._engines:
@@ -81,7 +81,7 @@ class EngineSubscriptions:
             )
 
     async def stop(self) -> None:
-        self._stopping = True
+        self._stopping.set()
         for engine in self._engines:
             if engine.subscriber is not None:
                 engine.subscriber.stop()
@@ -95,7 +95,7 @@ class EngineSubscriptions:
                     await task
 
     async def _keep_subscribed(self, engine: _Engine) -> None:
-        while not self._stopping:
+        while not self._stopping.is_set():
             subscriber = engine.subscriber = EngineEventSubscriber(engine.config.subscription, engine.config.namespace, self.index)
             try:
                 await subscriber.run()
@@ -107,11 +107,12 @@ class EngineSubscriptions:
                     engine.config.subscription.endpoint,
                     self.retry_s,
                 )
-            if self._stopping:
+            if self._stopping.is_set():
                 return
             for name, value in _figures(subscriber).items():
                 engine.carried[name] += value
-            await asyncio.sleep(self.retry_s)
+            with contextlib.suppress(asyncio.TimeoutError):  # stop() cuts the wait short
+                await asyncio.wait_for(self._stopping.wait(), self.retry_s)
 
     def status(self) -> list[dict]:
         """One row per engine, in configuration order."""

@@ -8,7 +8,7 @@ replica's, the replica whose node id is this daemon's::
 
     [[engines]]
     name = "vllm"                          # unique on this daemon; no "@"
-    endpoint = "tcp://127.0.0.1:5557"      # vLLM's kv_events_config.endpoint, as reachable from here
+    endpoint = "tcp://127.0.0.1:5557"      # vLLM's kv_events_config.endpoint (tcp://*:5557), as reachable from here
     replay_endpoint = "tcp://127.0.0.1:5558"  # optional: vLLM's replay_endpoint, to fill gaps
     topic = ""                             # vLLM's kv_events_config.topic
 
@@ -19,6 +19,9 @@ replica's, the replica whose node id is this daemon's::
     head_dim = 128
     dtype = "bfloat16"
     block_size = 32                        # vLLM's --block-size
+
+vLLM binds its PUB socket for ``tcp://*:port`` and ``ipc://`` endpoints and connects it to
+any other; the daemon always connects, so the engine must be given one it binds.
 
 ``namespace_from`` reads such a table for the router's ``[router.namespace]`` too.
 """

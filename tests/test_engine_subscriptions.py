@@ -11,6 +11,7 @@ import logging
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 from vllm_kv_events import VllmPublisher, batch, eventually, stored
@@ -225,6 +226,19 @@ def test_a_failing_subscription_is_logged_and_started_again_without_stopping_the
         await asyncio.wait_for(engines.stop(), 5)
         assert not any(s["running"] for s in engines.status())
         assert await index.nodes() == []
+
+    asyncio.run(main())
+
+
+def test_stopping_cuts_the_wait_before_a_failed_subscription_starts_again(tmp_path):
+    async def main():
+        config = subscriptions_for(tmp_path, ["tcp://127.0.0.1:1"]).configs
+        engines = EngineSubscriptions(config, FlakyIndex("e0@host-1"), retry_s=60)
+        engines.start()
+        await eventually(lambda: engines.status()[0]["failures"] == 1)
+        started = time.monotonic()
+        await asyncio.wait_for(engines.stop(), 5)
+        assert time.monotonic() - started < 1 and not engines.status()[0]["running"]
 
     asyncio.run(main())
 

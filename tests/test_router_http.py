@@ -78,7 +78,7 @@ def system_prompt(topic: str, words: int = 300) -> str:
 class Fleet:
     def __init__(self, model, redis_url, replicas, router, workdir):
         self.model, self.redis_url, self.replicas, self.router, self.workdir = str(model), redis_url, replicas, router, workdir
-        self._model_path = model
+        self.model_path = model
 
     def replica(self, node_id: str):
         return next(r for r in self.replicas if r.node_id == node_id)
@@ -94,7 +94,7 @@ class Fleet:
         return answer
 
     def start_router(self, name: str, **settings):
-        return start_router(self.workdir, name, self._model_path, self.redis_url, self.replicas, max_body_bytes=MAX_BODY_BYTES, **settings)
+        return start_router(self.workdir, name, self.model_path, self.redis_url, self.replicas, max_body_bytes=MAX_BODY_BYTES, **settings)
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +251,7 @@ def test_a_new_session_sharing_a_system_prompt_goes_to_the_replica_that_holds_it
 def test_an_engines_gpu_prefix_cache_is_in_the_index_and_the_router_sends_its_prompt_there(fleet):
     a = fleet.replicas[0]
     engine = engine_node_id("vllm", a.node_id)  # its daemon's [[engines]] name, at its node
-    namespace = engine_namespace(fleet._model_path)
+    namespace = engine_namespace(fleet.model_path)
     messages = [{"role": "system", "content": system_prompt("gpu cache")}, {"role": "user", "content": "compute me"}]
     ids = fleet.chat(messages, url=a.url, return_token_ids=True).body["prompt_token_ids"]
     keys = chain_hashes(ids, BLOCK)
@@ -389,7 +389,7 @@ PD_PROMPT = "prefill on one replica and decode on another " * 40
 def test_the_router_runs_prefill_and_decode_on_their_replicas_with_the_kv_handed_off(fleet):
     a, b = fleet.replicas
     prefill, decode = dataclasses.replace(a, role="prefill"), dataclasses.replace(b, role="decode")
-    router = start_router(fleet.workdir, "router-pd", fleet._model_path, fleet.redis_url, [prefill, decode])
+    router = start_router(fleet.workdir, "router-pd", fleet.model_path, fleet.redis_url, [prefill, decode])
     try:
         request = {"model": fleet.model, "prompt": PD_PROMPT, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
         request["return_token_ids"] = True

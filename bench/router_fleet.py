@@ -9,6 +9,7 @@ that tokenized only some of them would hash other tokens than the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -108,18 +109,9 @@ def start_router(
     """`kvstore router` in front of ``replicas``, with ``settings`` in [router] and ``routing``
     (the cost model's speeds) in [routing]."""
     port = free_port()
-    geometry = json.loads((model / "config.json").read_text())  # a Llama of bench.vllm_model, served in bf16
-    namespace = {
-        "model_id": str(model),
-        "num_layers": geometry["num_hidden_layers"],
-        "num_kv_heads": geometry["num_key_value_heads"],
-        "head_dim": geometry["head_dim"],
-        "dtype": "bfloat16",
-        "block_size": BLOCK,
-    }
     settings = {"index": redis_url, "port": port, "health_interval_s": 0.5, **settings}
     lines = ["[router]", *(f"{key} = {json.dumps(value)}" for key, value in settings.items())]
-    lines += ["[router.namespace]", *(f"{key} = {json.dumps(value)}" for key, value in namespace.items())]
+    lines += ["[router.namespace]", *_namespace_lines(model)]
     for replica in replicas:
         lines += ["[[router.replicas]]", f'url = "{replica.url}"', f'node_id = "{replica.node_id}"', f'role = "{replica.role}"']
     routing = {"remote_fetch": False, **(routing or {})}
@@ -143,6 +135,40 @@ def start_router(
             router.stop()
             raise RuntimeError(f"the router did not come up:\n{log.read_text()[-4000:]}")
         time.sleep(0.3)
+
+
+def _namespace_lines(model: Path) -> list[str]:
+    """The engines' namespace as a TOML table's lines (a Llama of bench.vllm_model, served in bf16)."""
+    geometry = json.loads((model / "config.json").read_text())
+    namespace = {
+        "model_id": str(model),
+        "num_layers": geometry["num_hidden_layers"],
+        "num_kv_heads": geometry["num_key_value_heads"],
+        "head_dim": geometry["head_dim"],
+        "dtype": "bfloat16",
+        "block_size": BLOCK,
+    }
+    return [f"{key} = {json.dumps(value)}" for key, value in namespace.items()]
+
+
+@dataclass(frozen=True)
+class KvEvents:
+    """Where one engine publishes its KV events: IPC sockets, which vLLM binds (as it binds
+    ``tcp://*:port``; to ``tcp://host:port`` it would connect) and its daemon connects to."""
+
+    endpoint: str
+    replay_endpoint: str
+
+    @classmethod
+    def in_directory(cls, directory: Path, name: str) -> KvEvents:
+        return cls(f"ipc://{directory}/kv-events-{name}", f"ipc://{directory}/kv-events-{name}-replay")
+
+
+def engines_config(path: Path, model: Path, events: KvEvents, name: str = "vllm") -> Path:
+    """A daemon configuration file whose [[engines]] is the engine publishing on ``events``."""
+    lines = ["[[engines]]", f'name = "{name}"', f'endpoint = "{events.endpoint}"', f'replay_endpoint = "{events.replay_endpoint}"']
+    path.write_text("\n".join([*lines, "[engines.namespace]", *_namespace_lines(model)]) + "\n")
+    return path
 
 
 _CONNECTOR_ROLES = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
@@ -173,16 +199,20 @@ def start_in_parallel(plans: list[tuple[dict, str]], workdir: Path, timeout_s: f
     return [servers[i] for i in range(len(plans))]
 
 
-def start_servers(model: Path, workdir: Path, daemons: list[Daemon], roles: list[str] | None = None) -> list[Replica]:
-    """One vLLM OpenAI server per daemon, started in parallel."""
+def start_servers(
+    model: Path, workdir: Path, daemons: list[Daemon], roles: list[str] | None = None, kv_events: list[KvEvents] | None = None
+) -> list[Replica]:
+    """One vLLM OpenAI server per daemon, started in parallel. With ``kv_events`` (one per
+    daemon), each has vLLM's prefix caching on and publishes its KV events there."""
     roles = roles or ["both"] * len(daemons)
     plans = []
     for i, daemon in enumerate(daemons):
         extra = {"socket_path": str(daemon.socket)} | ({"handoff_timeout_s": 30} if roles[i] == "decode" else {})
         connector = {"name": "KVStoreConnector", "module": "kvstore.connectors.vllm", "role": _CONNECTOR_ROLES[roles[i]], "extra": extra}
-        plans.append(
-            ({"model": str(model), "block_size": BLOCK, "max_model_len": 4096, "connector": connector}, f"replica-{daemon.node_id}")
-        )
+        plan: dict = {"model": str(model), "block_size": BLOCK, "max_model_len": 4096, "connector": connector}
+        if kv_events is not None:
+            plan |= {"prefix_caching": True, "kv_events": dataclasses.asdict(kv_events[i])}
+        plans.append((plan, f"replica-{daemon.node_id}"))
     servers = start_in_parallel(plans, workdir, timeout_s=400)
     return [Replica(daemon, servers[i], roles[i]) for i, daemon in enumerate(daemons)]
 

@@ -255,6 +255,9 @@ class ApiServer:
         ]  # fmt: skip
         if not plan.get("prefix_caching", False):
             command.append("--no-enable-prefix-caching")
+        kv_events = plan.get("kv_events")  # {"endpoint": …, "replay_endpoint": …}: where its KV events are published
+        if kv_events is not None:
+            command += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", **kv_events})]
         connector = plan.get("connector")
         if connector is not None:
             config = {

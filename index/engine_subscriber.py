@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.events import BlockEvent
@@ -61,7 +62,8 @@ class EngineEventSubscriber:
     means the engine restarted with an empty cache. When the index may have lost track (at
     start, after a failed call, after a lease that had expired) the whole mapping is
     re-published. ``stop()`` ends ``run()``, which then leaves the index: nobody would keep
-    the engine's entries current any more.
+    the engine's entries current any more. ``connected`` follows the socket's connection to
+    the engine (a ZMQ socket monitor): PUB/SUB itself says nothing while an engine is idle.
 
     Owner: the event loop that runs ``run()``; every field is touched only there.
     """
@@ -85,6 +87,8 @@ class EngineEventSubscriber:
         self._next_heartbeat = 0.0
         self._needs_resync = True
         self._stopping = False
+        self.connected = False
+        self.last_message_at: float | None = None  # by ``clock``
         self.num_messages = 0
         self.num_messages_malformed = 0
         self.num_gaps = 0
@@ -113,6 +117,7 @@ class EngineEventSubscriber:
     async def run(self) -> None:
         context = self._live_context = self._context or zmq.asyncio.Context()
         sub = context.socket(zmq.SUB)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.MAXMSGSIZE, self.subscription.max_message_bytes)
@@ -121,12 +126,21 @@ class EngineEventSubscriber:
                 sub.connect(self.subscription.endpoint)
             except zmq.ZMQError as exc:
                 raise InvalidArgument(f"{self.subscription.endpoint!r} is not a ZMQ endpoint vLLM publishes KV events on: {exc}") from exc
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
             while not self._stopping:
                 await self._keep_index_current()
                 wait_s = min(0.1, max(0.0, self._next_heartbeat - self._clock()))
-                if await sub.poll(int(wait_s * 1000), zmq.POLLIN):
+                ready = dict(await poller.poll(int(wait_s * 1000)))
+                if monitor in ready:
+                    self.connected = parse_monitor_message(await monitor.recv_multipart())["event"] == zmq.EVENT_CONNECTED
+                if sub in ready:
                     await self._receive(await sub.recv_multipart())
         finally:
+            self.connected = False
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
             if self._context is None:
                 context.term()
@@ -137,6 +151,7 @@ class EngineEventSubscriber:
             self.num_messages_malformed += 1
             return
         self.num_messages += 1
+        self.last_message_at = self._clock()
         seq = int.from_bytes(frames[1], "big")
         if self._next_seq is not None and seq < self._next_seq:
             # vLLM numbers a publisher's batches from 0: going back means the engine restarted

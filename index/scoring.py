@@ -25,12 +25,21 @@ node is not a candidate any more, or its cost exceeds the best alternative's by 
 BOTH margins of `AffinityPolicy` — i.e. the larger margin wins: the absolute one keeps
 short prompts from flapping over noise, the relative one long prompts. Ties between equal
 costs go to the smaller node id, so a decision never depends on input order.
+
+An engine's own GPU prefix cache is a node of its own in the index, named
+``<engine>@<replica>`` (`engine_node_id`) after the replica it serves — the node id of the
+kvstore daemon beside it. `with_engine_caches` folds each engine's blocks into its
+replica's match: the engine reads its GPU blocks first and loads the rest of the prefix
+through its connector from the daemon, so the replica holds the longer of the two, in GPU
+as far as the engine holds it. (A replica of several data-parallel engines is credited
+with the one that holds the most; a peer that fetches from the replica can only have what
+its daemon holds, which the model does not tell apart.)
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -39,9 +48,22 @@ from kvstore.errors import InvalidArgument
 from kvstore.index.base import NodeMatch, SessionAffinity
 from kvstore.tier_kind import TierKind
 
-__all__ = ["CostModel", "AffinityPolicy", "Candidate", "Estimate", "RouteDecision", "estimate", "route"]
+__all__ = [
+    "CostModel",
+    "AffinityPolicy",
+    "Candidate",
+    "Estimate",
+    "RouteDecision",
+    "estimate",
+    "route",
+    "ENGINE_SEPARATOR",
+    "engine_node_id",
+    "replica_of",
+    "with_engine_caches",
+]
 
 _MAX_RUNS = 32  # beyond this many runs of one tier, counting block by block is as fast
+ENGINE_SEPARATOR = "@"
 
 
 def _check(name: str, value: float, minimum: float = 0.0, strict: bool = True) -> None:
@@ -216,6 +238,39 @@ def route(
     if sticky.cost_s - best.cost_s <= margin_s:
         return _decision(sticky, f"sticky: {comparison}, within the margin of {_s(margin_s)}", None, ranked)
     return _decision(best, f"moved: {comparison}, beyond the margin of {_s(margin_s)}", sticky.node_id, ranked)
+
+
+def engine_node_id(engine_name: str, replica_node_id: str) -> str:
+    """The index's node id for the GPU cache of engine ``engine_name`` of the replica ``replica_node_id``."""
+    if not engine_name or ENGINE_SEPARATOR in engine_name:
+        raise InvalidArgument(f"an engine's name must be non-empty and without {ENGINE_SEPARATOR!r}, got {engine_name!r}.")
+    return f"{engine_name}{ENGINE_SEPARATOR}{replica_node_id}"
+
+
+def replica_of(node_id: str) -> str | None:
+    """The replica whose engine's GPU cache ``node_id`` names; None for any other node."""
+    engine, separator, replica = node_id.partition(ENGINE_SEPARATOR)
+    return replica if separator and engine and replica else None
+
+
+def with_engine_caches(matches: Sequence[NodeMatch], replica_ids: Collection[str]) -> dict[str, NodeMatch]:
+    """The match of each of ``replica_ids`` that holds any of the chain: its daemon's, led by
+    the GPU blocks of the longest of its engines' matches (see the module docstring)."""
+    wanted = set(replica_ids)
+    own: dict[str, NodeMatch] = {}
+    engines: dict[str, NodeMatch] = {}
+    for match in matches:
+        if match.node_id in wanted:
+            own[match.node_id] = match
+            continue
+        replica = replica_of(match.node_id)
+        if replica in wanted and match.num_blocks > (engines[replica].num_blocks if replica in engines else 0):
+            engines[replica] = match
+    merged = dict(own)
+    for replica, engine in engines.items():
+        daemon_tiers = own[replica].tiers if replica in own else ()
+        merged[replica] = NodeMatch(replica, engine.tiers + daemon_tiers[engine.num_blocks :])
+    return merged
 
 
 def _tier_counts(tiers: Sequence[TierKind]) -> dict[TierKind, int]:

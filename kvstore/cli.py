@@ -254,10 +254,27 @@ def _print_stats(document: dict, with_counters: bool = True) -> None:
     if document["failed_tiers"]:
         click.echo(f"FAILED tiers (out of service until restart): {', '.join(document['failed_tiers'])}")
     click.echo(f"leases {document['leases']}  reservations {document['reservations']}  sessions {document['sessions']}")
+    for line in _engine_lines(document["counters"]):
+        click.echo(line)
     if with_counters:  # `kvstore stats`; `status` stops at the tiers (its --json has the counters too)
         click.echo("counters")
         for name, value in document["counters"].items():
             click.echo(f"  {name:<32} {value}")
+
+
+def _engine_lines(counters: dict[str, int]) -> list[str]:
+    """A line per engine whose KV events the daemon subscribes to (kvstore/engines.py's counters)."""
+    names = [key[len("engine_") : -len("_connected")] for key in counters if key.startswith("engine_") and key.endswith("_connected")]
+    lines = []
+    for name in names:
+        row = {field: counters.get(f"engine_{name}_{field}", 0) for field in ("connected", "batches", "gaps", "batches_lost", "blocks")}
+        age_ms = counters.get(f"engine_{name}_last_event_age_ms", -1)
+        age = "no event yet" if age_ms < 0 else f"last event {age_ms / 1000:.1f} s ago"
+        lines.append(
+            f"engine {name}: {'connected' if row['connected'] else 'NOT connected'}, {row['blocks']} GPU blocks indexed, "
+            f"{row['batches']} batches, {row['gaps']} gaps ({row['batches_lost']} batches lost), {age}"
+        )
+    return lines
 
 
 @main.command()

@@ -3,7 +3,8 @@
 Sources, later ones winning: embedded defaults (sized from this machine's free memory and
 disk) ← a TOML file ← ``KVSTORE_<SECTION>_<FIELD>`` environment variables ← command-line
 ``--set section.field=value`` (and the CLI's named flags). Sections: ``server``, ``host``,
-``nvme``, ``manager``, ``index``, ``routing``, ``transport``. Sizes accept ``"8GiB"``-style strings. Every error names the field::
+``nvme``, ``manager``, ``index``, ``routing``, ``transport``; the file alone lists the
+engines on this host (``[[engines]]``, kvstore/engines_config.py). Sizes accept ``"8GiB"``-style strings. Every error names the field::
 
     [server]
     socket_path = "/run/kvstore/kvstore.sock"
@@ -32,7 +33,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -42,6 +43,9 @@ from kvstore.tiers.host import HostTierConfig
 from kvstore.tiers.manager import TierManagerConfig
 from kvstore.tiers.nvme import NvmeTierConfig
 from kvstore.transport.config import TransportConfig
+
+if TYPE_CHECKING:
+    from kvstore.engines_config import EngineConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -190,6 +194,7 @@ class DaemonConfig:
     index: IndexConfig = IndexConfig()
     routing: RoutingConfig = RoutingConfig()
     transport: TransportConfig = TransportConfig()
+    engines: tuple[EngineConfig, ...] = ()  # whose KV events the daemon subscribes to
 
 
 def parse_size(value: Any, name: str) -> int:
@@ -245,8 +250,9 @@ _SECTIONS = {
     "transport": TransportConfig,
 }
 _EXTRA_NVME_KEYS = {"enabled"}
-# sections of the same file that other kvstore processes read: `kvstore router`'s
-_OTHER_SECTIONS = {"router"}
+# sections of the same file that other kvstore processes read (`kvstore router`'s), or
+# that only the file can give (the engines: an array of tables)
+_OTHER_SECTIONS = {"router", "engines"}
 
 
 def _fields(section: str) -> dict[str, dataclasses.Field]:
@@ -350,8 +356,9 @@ def load_config(
     values: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
     if path is None and environ.get("KVSTORE_CONFIG"):
         path = Path(environ["KVSTORE_CONFIG"])
+    document: dict[str, Any] = read_toml(path) if path is not None else {}
     if path is not None:
-        _merge(values, read_toml(path), str(path))
+        _merge(values, document, str(path))
     _merge(values, _from_env(environ), "environment")
     if overrides:
         _merge(values, overrides, "command line")
@@ -375,10 +382,15 @@ def load_config(
         index = IndexConfig(**values["index"])
         routing = RoutingConfig(**values["routing"])
         transport = TransportConfig(**values["transport"])
+        from kvstore.engines_config import engines_from  # it reads ConfigError from here
+
+        engines = engines_from(document.get("engines", []), server.node_id, index.lease_ttl_s, index.heartbeat_interval_s)
     except ConfigError:
         raise
     except InvalidArgument as exc:
         raise ConfigError(f"invalid configuration: {exc}") from exc
     except TypeError as exc:
         raise ConfigError(f"invalid configuration: {exc}.") from exc
-    return DaemonConfig(server=server, host=host, nvme=nvme, manager=manager, index=index, routing=routing, transport=transport)
+    return DaemonConfig(
+        server=server, host=host, nvme=nvme, manager=manager, index=index, routing=routing, transport=transport, engines=engines
+    )

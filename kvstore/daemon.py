@@ -8,9 +8,12 @@ metrics over HTTP, and write a state file next to the socket
 (pid, addresses) so that the CLI and tests find ports chosen at start. The node registers
 with the block-location index (embedded, or Redis for a fleet) and publishes its block
 events there (kvstore/publisher.py); routers ask it through `Index.Match` / `Index.Route`.
+It subscribes to the KV events of each engine of its configuration (``[[engines]]``,
+kvstore/engines.py), so that their GPU prefix caches are in the same index.
 
 Stop (SIGTERM or SIGINT): stop accepting, give in-flight gRPC calls ``drain_timeout_s``
-to finish, close client sessions (their leases and reservations are released), leave the index, move the
+to finish, close client sessions (their leases and reservations are released), end the
+engines' subscriptions (each takes its engine out of the index), leave the index, move the
 host tier's blocks to NVMe so that a restart serves them, close the tiers (the shared
 memory file is removed) and remove the socket and the state file.
 
@@ -31,6 +34,7 @@ import threading
 from pathlib import Path
 
 from kvstore.config import DaemonConfig
+from kvstore.engines import EngineMetrics, EngineSubscriptions
 from kvstore.errors import KVStoreError, TierUnavailable
 from kvstore.index.backends import open_index
 from kvstore.index.base import NodeInfo
@@ -136,11 +140,15 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
     os.chmod(socket_path, server_config.socket_mode)
 
     router = Router(node, index, sessions, config.routing)
-    grpc_server, grpc_port = create_grpc_server(node, router, server_config, transfers)
+    engines = EngineSubscriptions(config.engines, index)
+    engine_metrics = EngineMetrics()
+    metrics.registry.register(engine_metrics)
+    grpc_server, grpc_port = create_grpc_server(node, router, server_config, transfers, engines.counters)
     await grpc_server.start()
     node_info = NodeInfo(node.node_id, grpc_address=f"{server_config.grpc_host}:{grpc_port}", transport_address=transport_address)
     publisher = IndexPublisher(index, node_info, manager, config.index)
     publishing = asyncio.create_task(publisher.run(stop))
+    engines.start()
     metrics_port = _start_metrics(metrics, server_config.metrics_host, server_config.metrics_port)
     state = {
         "pid": os.getpid(),
@@ -159,7 +167,7 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         transport_address or "off",
         metrics_port,
     )
-    housekeeping = asyncio.create_task(_housekeeping(node, transfers, stop))
+    housekeeping = asyncio.create_task(_housekeeping(node, transfers, lambda: engine_metrics.update(engines), stop))
     demotion = asyncio.create_task(_demotion(manager, stop))
     probing = asyncio.create_task(_probe_loop_lag(metrics, server_config.loop_lag_interval_ms / 1000, stop))
     if ready is not None:
@@ -176,6 +184,7 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await _attempt("ending the engines' KV event subscriptions", engines.stop())
         await _attempt("leaving the index", publisher.leave())
         if transfers is not None:
             await _attempt("closing the transport", transfers.close())
@@ -201,10 +210,11 @@ async def _attempt(what: str, step) -> None:
         logger.exception("%s failed; stopping anyway", what)
 
 
-async def _housekeeping(node: Node, transfers: TransferService | None, stop: asyncio.Event) -> None:
+async def _housekeeping(node: Node, transfers: TransferService | None, refresh_engines, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
             node.housekeeping()
+            refresh_engines()
             if transfers is not None:
                 transfers.housekeeping()
         except Exception:  # a failed tick must not stop the daemon

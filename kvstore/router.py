@@ -18,7 +18,7 @@ from kvstore.config import RoutingConfig
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import BlockHash
 from kvstore.index.base import Index, NodeMatch, SessionStore
-from kvstore.index.scoring import AffinityPolicy, Candidate, CostModel, RouteDecision, route
+from kvstore.index.scoring import AffinityPolicy, Candidate, CostModel, RouteDecision, replica_of, route, with_engine_caches
 from kvstore.node import Node
 
 __all__ = ["Router", "cost_model_for"]
@@ -89,17 +89,21 @@ class Router:
         """`route` for a caller that hashed the prompt itself (the HTTP router knows the
         engines' namespace without a daemon of its own registering it). A ``note`` (why
         the request is routed again, say) leads the decision's reason, as recorded with
-        the session's move."""
-        matches = await self.index.match(namespace, hashes, [c.node_id for c in candidates]) if hashes else []
+        the session's move. A candidate's engines' GPU caches count as the candidate's
+        (index/scoring.with_engine_caches)."""
+        matches = await self._matches(namespace, hashes, [c.node_id for c in candidates]) if hashes else {}
         affinity = await self.sessions.get(session_id) if session_id else None
-        decision = route(
-            candidates, {m.node_id: m for m in matches}, num_tokens, block_size, block_bytes, self.model, affinity, self.policy, session_id
-        )
+        decision = route(candidates, matches, num_tokens, block_size, block_bytes, self.model, affinity, self.policy, session_id)
         if note:
             decision = dataclasses.replace(decision, reason=f"{note}; {decision.reason}")
         if session_id:
             await self.sessions.put(session_id, decision.node_id, self.config.session_ttl_s, decision.moved_from, decision.reason)
         return decision
+
+    async def _matches(self, namespace: bytes, hashes: Sequence[BlockHash], replica_ids: list[str]) -> dict[str, NodeMatch]:
+        wanted = set(replica_ids)
+        engines = [n.node_id for n in await self.index.nodes() if n.kind == "engine" and replica_of(n.node_id) in wanted]
+        return with_engine_caches(await self.index.match(namespace, hashes, replica_ids + engines), wanted)
 
     def _chain(self, namespace: bytes, token_ids: Sequence[int]) -> _Chain:
         if self.node is None:

@@ -35,23 +35,31 @@ class DaemonProcess:
         return self.process.wait(timeout=timeout_s)
 
 
-def serve_command(socket_path: Path, settings: Mapping[str, object]) -> list[str]:
+def serve_command(socket_path: Path, settings: Mapping[str, object], config: Path | None = None) -> list[str]:
     command = [sys.executable, "-m", "kvstore", "serve", "--set", f"server.socket_path={socket_path}"]
+    if config is not None:
+        command += ["--config", str(config)]
     for key, value in settings.items():
         command += ["--set", f"{key}={value}"]
     return command
 
 
 def spawn_daemon(
-    socket_path: Path, settings: Mapping[str, object], log_path: Path, timeout_s: float = 60.0, prefix: Sequence[str] = ()
+    socket_path: Path,
+    settings: Mapping[str, object],
+    log_path: Path,
+    timeout_s: float = 60.0,
+    prefix: Sequence[str] = (),
+    config: Path | None = None,
 ) -> DaemonProcess:
-    """Run `kvstore serve` with ``settings`` (``section.field`` → value) and return once
+    """Run `kvstore serve` with ``settings`` (``section.field`` → value) over the file
+    ``config``, if given (what ``--set`` cannot say: ``[[engines]]``), and return once
     its state file exists; its output goes to ``log_path``. ``prefix`` wraps the command
     (e.g. ``ip netns exec NAME`` to run it in a network namespace)."""
     state_file = state_path_for(socket_path)
     state_file.unlink(missing_ok=True)
     with open(log_path, "ab") as log:
-        process = subprocess.Popen([*prefix, *serve_command(socket_path, settings)], stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen([*prefix, *serve_command(socket_path, settings, config)], stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:

@@ -21,6 +21,7 @@ class Daemon:
     token: str = ""
     extra: dict[str, str] = field(default_factory=dict)  # more --set settings
     prefix: tuple[str, ...] = ()  # wraps the command, e.g. ("ip", "netns", "exec", "ns1")
+    config: Path | None = None  # a TOML file under the --set settings (for what they cannot say: [[engines]])
     process: subprocess.Popen | None = None
     state: dict = field(default_factory=dict)
 
@@ -64,10 +65,12 @@ class Daemon:
         return {**settings, **self.extra}
 
     def command(self) -> list[str]:
-        return serve_command(self.socket, self.settings())
+        return serve_command(self.socket, self.settings(), self.config)
 
     def start(self, timeout_s: float = 30.0) -> Daemon:
-        spawned = spawn_daemon(self.socket, self.settings(), self.workdir / f"daemon-{self.node_id}.log", timeout_s, self.prefix)
+        spawned = spawn_daemon(
+            self.socket, self.settings(), self.workdir / f"daemon-{self.node_id}.log", timeout_s, self.prefix, self.config
+        )
         self.process, self.state = spawned.process, spawned.state
         return self
 

@@ -1,15 +1,22 @@
 """`kvstore router` in front of two real vLLM (CPU) replicas.
 
-Each replica is vLLM's OpenAI server with the kvstore connector (prefix caching off, so
-every cached token a replica reports came from its kvstore daemon); both daemons publish
-their blocks to one real Redis, which is the router's index and session store. The
-tests share the one fleet (module fixture, replicas started in parallel) and each uses
-prompts and session ids of its own; the test that kills a replica runs last.
+Each replica is vLLM's OpenAI server with the kvstore connector and vLLM's own prefix
+cache, whose KV events its daemon subscribes to (``[[engines]]`` of the daemon's
+configuration); both daemons publish their blocks, and their engines' GPU blocks, to one
+real Redis, which is the router's index and session store. The tests share the one fleet
+(module fixture, replicas started in parallel) and each uses prompts and session ids of
+its own; the test that kills a replica runs last.
+
+The same two engines serve prefill/decode disaggregation: replica-a's connector is a
+``kv_producer`` and replica-b's a ``kv_consumer``, which serve requests without P/D marks
+as ``kv_both`` would; the main router lists both as ``both``, a second router as the
+prefill and the decode replica.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import re
@@ -22,8 +29,24 @@ import pytest
 from daemon_harness import daemons
 from vllm_venv import require_vllm_venv
 
-from bench.router_fleet import BLOCK, Answer, digest_of, model_with_chat_template, post, start_router, start_servers, stream
-from kvstore.index.redis import RedisSessionStore
+from bench.router_fleet import (
+    BLOCK,
+    Answer,
+    KvEvents,
+    digest_of,
+    engine_namespace,
+    engines_config,
+    model_with_chat_template,
+    post,
+    start_router,
+    start_servers,
+    stream,
+)
+from kvstore.hashing import chain_hashes
+from kvstore.index.base import NodeMatch
+from kvstore.index.redis import RedisIndex, RedisSessionStore
+from kvstore.index.scoring import engine_node_id
+from kvstore.tier_kind import TierKind
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -55,7 +78,7 @@ def system_prompt(topic: str, words: int = 300) -> str:
 class Fleet:
     def __init__(self, model, redis_url, replicas, router, workdir):
         self.model, self.redis_url, self.replicas, self.router, self.workdir = str(model), redis_url, replicas, router, workdir
-        self._model_path = model
+        self.model_path = model
 
     def replica(self, node_id: str):
         return next(r for r in self.replicas if r.node_id == node_id)
@@ -71,16 +94,22 @@ class Fleet:
         return answer
 
     def start_router(self, name: str, **settings):
-        return start_router(self.workdir, name, self._model_path, self.redis_url, self.replicas, max_body_bytes=MAX_BODY_BYTES, **settings)
+        return start_router(self.workdir, name, self.model_path, self.redis_url, self.replicas, max_body_bytes=MAX_BODY_BYTES, **settings)
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, redis_server):
     workdir = tmp_path_factory.mktemp("router")
     model = model_with_chat_template(workdir / "model")
+    kv_events = [KvEvents.in_directory(workdir, node_id) for node_id in ("replica-a", "replica-b")]
+    settings = {"index.backend": redis_server.url, "transport.handoff_timeout_s": "120"}
     with daemons(workdir) as start:
-        started = [start(node_id=node_id, extra={"index.backend": redis_server.url}) for node_id in ("replica-a", "replica-b")]
-        replicas = start_servers(model, workdir, started)
+        started = []
+        for node_id, events in zip(("replica-a", "replica-b"), kv_events):
+            config = engines_config(workdir / f"{node_id}.toml", model, events)  # the daemon subscribes to its engine
+            started.append(start(node_id=node_id, extra=settings, config=config))
+        disaggregated = start_servers(model, workdir, started, roles=["prefill", "decode"], kv_events=kv_events)
+        replicas = [dataclasses.replace(replica, role="both") for replica in disaggregated]
         routers = []
         try:
             router = start_router(workdir, "router", model, redis_server.url, replicas, max_body_bytes=MAX_BODY_BYTES)
@@ -219,6 +248,50 @@ def test_a_new_session_sharing_a_system_prompt_goes_to_the_replica_that_holds_it
         assert answer.cached_tokens >= int(answer.headers["x-kvstore-expected-cached-tokens"]) > 0
 
 
+def test_an_engines_gpu_prefix_cache_is_in_the_index_and_the_router_sends_its_prompt_there(fleet):
+    a = fleet.replicas[0]
+    engine = engine_node_id("vllm", a.node_id)  # its daemon's [[engines]] name, at its node
+    namespace = engine_namespace(fleet.model_path)
+    messages = [{"role": "system", "content": system_prompt("gpu cache")}, {"role": "user", "content": "compute me"}]
+    ids = fleet.chat(messages, url=a.url, return_token_ids=True).body["prompt_token_ids"]
+    keys = chain_hashes(ids, BLOCK)
+
+    def matches() -> dict[str, NodeMatch]:
+        async def ask():
+            index = RedisIndex.from_url(fleet.redis_url)
+            try:
+                return {m.node_id: m for m in await index.match(namespace.digest, keys)}
+            finally:
+                await index.close()
+
+        return asyncio.run(ask())
+
+    # the engine's KV events put its prompt's blocks in the index as tier gpu, under its own node
+    deadline = time.monotonic() + 20
+    while matches().get(engine) != NodeMatch(engine, (TierKind.GPU,) * len(keys)):
+        assert time.monotonic() < deadline, matches()
+        time.sleep(0.2)
+    # its daemon lets go of its copy: only the engine's GPU cache holds the prompt now
+    command = [sys.executable, "-m", "kvstore", "--address", a.daemon.address, "evict", "--namespace", namespace.id]
+    evicted = subprocess.run([*command, *(key.hex() for key in keys)], capture_output=True, text=True, timeout=60)
+    assert evicted.returncode == 0, evicted.stderr
+    deadline = time.monotonic() + 10
+    while a.node_id in matches():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    # a new session sharing the system prompt goes where the engine holds it, expecting its GPU blocks
+    answer = fleet.chat([messages[0], {"role": "user", "content": "a new session, same system prompt"}], return_token_ids=True)
+    assert (answer.replica, answer.headers["x-kvstore-route"]) == (a.node_id, "best_cost")
+    later = answer.body["prompt_token_ids"]
+    common = next((i for i, (x, y) in enumerate(zip(ids, later)) if x != y), min(len(ids), len(later)))
+    assert int(answer.headers["x-kvstore-expected-cached-tokens"]) == common // BLOCK * BLOCK > 0
+    assert answer.cached_tokens == common // BLOCK * BLOCK  # served from the engine's own prefix cache
+    shown = subprocess.run(
+        [sys.executable, "-m", "kvstore", "--address", a.daemon.address, "status"], capture_output=True, text=True, timeout=60
+    )
+    assert shown.returncode == 0 and "engine vllm: connected" in shown.stdout, shown.stdout + shown.stderr
+
+
 def test_a_streamed_response_through_the_router_is_token_identical_to_the_engines(fleet):
     messages = [{"role": "system", "content": system_prompt("stream")}, {"role": "user", "content": "stream me an answer"}]
     request = {
@@ -308,6 +381,38 @@ def test_draining_a_replicas_daemon_moves_its_sessions_and_the_router_follows_th
     assert (moved.replica, moved.headers["x-kvstore-route"]) == (heir.node_id, "sticky")
     # the heir serves the session's chain from the blocks the drain copied to its daemon
     assert moved.cached_tokens >= (first.body["usage"]["prompt_tokens"] // BLOCK - 1) * BLOCK
+
+
+PD_PROMPT = "prefill on one replica and decode on another " * 40
+
+
+def test_the_router_runs_prefill_and_decode_on_their_replicas_with_the_kv_handed_off(fleet):
+    a, b = fleet.replicas
+    prefill, decode = dataclasses.replace(a, role="prefill"), dataclasses.replace(b, role="decode")
+    router = start_router(fleet.workdir, "router-pd", fleet.model_path, fleet.redis_url, [prefill, decode])
+    try:
+        request = {"model": fleet.model, "prompt": PD_PROMPT, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+        request["return_token_ids"] = True
+        answer = post(router.url, COMPLETIONS, request)
+        assert answer.status == 200, answer.body
+        assert (answer.headers["x-kvstore-prefill-replica"], answer.replica) == (prefill.node_id, decode.node_id)
+        num_blocks = answer.body["usage"]["prompt_tokens"] // BLOCK
+        # the decode replica loaded every full block from the handoff the router named (vLLM's
+        # usage counts no cached tokens for a remote prefill, so its connector's log says it)
+        handoffs = re.findall(r"loads (\d+) tokens \((\d+) blocks\) from handoff 'kvstore-router-", decode.server.log.read_text())
+        assert handoffs == [(str(num_blocks * BLOCK), str(num_blocks))]
+        # the tokens one replica decodes alone, computing the prompt itself: a cache salt keeps
+        # it from the blocks of the handoff, in its daemon and in its own prefix cache
+        alone = post(decode.url, COMPLETIONS, {**request, "cache_salt": "computed-alone"})
+        assert alone.status == 200 and alone.cached_tokens == 0, alone.body
+        assert alone.body["choices"][0]["token_ids"] == answer.body["choices"][0]["token_ids"]
+
+        streamed = stream(router.url, COMPLETIONS, {**request, "prompt": PD_PROMPT + " streamed"})
+        assert streamed.status == 200 and streamed.replica == decode.node_id
+        tokens = [t for event in streamed.events for choice in event.get("choices", []) for t in choice.get("token_ids") or []]
+        assert len(tokens) == 12
+    finally:
+        router.stop()
 
 
 def test_killing_a_replica_mid_session_moves_the_session_without_a_client_error(fleet):

@@ -82,9 +82,14 @@ def _parsing(behavior: Callable[..., Awaitable[Message]], request_type: type[Mes
 
 
 def create_grpc_server(
-    node: Node, router: Router, config: ServerConfig, transfers: TransferService | None = None
+    node: Node,
+    router: Router,
+    config: ServerConfig,
+    transfers: TransferService | None = None,
+    more_counters: Callable[[], dict[str, int]] = dict,
 ) -> tuple[grpc.aio.Server, int]:
-    """An aio server bound to ``config.grpc_address`` (port 0: a free port), not started.
+    """An aio server bound to ``config.grpc_address`` (port 0: a free port), not started;
+    ``Admin.Stats`` adds ``more_counters()`` to the node's (the engines' subscriptions').
 
     Returns the server and the port it is bound to. Must be called on the event loop that
     owns ``node``: the servicers call it directly.
@@ -100,7 +105,7 @@ def create_grpc_server(
     )
     _add_service(server, "Store", StoreServicer(node))
     _add_service(server, "Index", IndexServicer(node, router))
-    _add_service(server, "Admin", AdminServicer(node, router, transfers))
+    _add_service(server, "Admin", AdminServicer(node, router, transfers, more_counters))
     health_pb2_grpc.add_HealthServicer_to_server(_Health(KVSTORE_SERVICES), server)
     reflection.enable_server_reflection((*KVSTORE_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:

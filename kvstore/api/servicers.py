@@ -12,6 +12,7 @@ while the daemon keeps serving.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -196,14 +197,18 @@ class IndexServicer(_NodeServicer, pb_grpc.IndexServicer):
 class AdminServicer(_NodeServicer, pb_grpc.AdminServicer):
     service = "Admin"
 
-    def __init__(self, node: Node, router: Router, transfers: TransferService | None) -> None:
+    def __init__(
+        self, node: Node, router: Router, transfers: TransferService | None, more_counters: Callable[[], dict[str, int]] = dict
+    ) -> None:
         super().__init__(node)
         self.router = router
         self.transfers = transfers
+        self.more_counters = more_counters
 
     @_served
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        return convert.stats_response(self.node.stats())
+        stats = self.node.stats()
+        return convert.stats_response(dataclasses.replace(stats, counters={**stats.counters, **self.more_counters()}))
 
     @_served
     async def ListBlocks(self, request: pb.ListBlocksRequest, context) -> pb.ListBlocksResponse:

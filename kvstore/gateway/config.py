@@ -27,26 +27,17 @@ skips ``[router]``); the router reads ``[router]``, its ``[router.namespace]`` a
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvstore.config import ConfigError, RoutingConfig, parse_size, read_toml
-from kvstore.errors import InvalidArgument
-from kvstore.layout import KVLayout
+from kvstore.engines_config import namespace_from
 from kvstore.namespace import Namespace
-
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover
-    pass
 
 __all__ = ["ReplicaConfig", "RouterConfig", "load_router_config", "namespace_from"]
 
-# the element order the kvstore connectors store blocks in (connectors/vllm_compat.STORE_INNER_ORDER)
-STORE_INNER_ORDER = "HND"
 _ROLES = ("both", "prefill", "decode")
 
 
@@ -104,34 +95,6 @@ class RouterConfig:
         for name in ("session_header", "tenant_header"):
             if not getattr(self, name) or getattr(self, name) != getattr(self, name).strip().lower():
                 raise ConfigError(f"router.{name} must be a non-empty lower-case header name, got {getattr(self, name)!r}.")
-
-
-def namespace_from(values: Mapping[str, Any]) -> Namespace:
-    """The namespace of ``[router.namespace]``: the one the engines' connector registers
-    for tensor-parallel rank 0 (every rank holds the same blocks)."""
-    known = {"model_id", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "kv_planes", "tp_size", "tenant_salt"}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"unknown setting(s) router.namespace.{', router.namespace.'.join(unknown)}; known: {', '.join(sorted(known))}.")
-    missing = sorted({"model_id", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size"} - set(values))
-    if missing:
-        raise ConfigError(f"router.namespace needs {', '.join(missing)} (the engines' model and KV cache geometry).")
-    try:
-        layout = KVLayout(
-            int(values["num_layers"]),
-            int(values["num_kv_heads"]),
-            int(values["head_dim"]),
-            int(values["block_size"]),
-            str(values["dtype"]),
-            int(values.get("kv_planes", 2)),
-            STORE_INNER_ORDER,
-        )
-        tp_size = int(values.get("tp_size", 1))
-        if layout.kv_planes == 1:  # MLA: one latent for every rank, a namespace that names none
-            tp_size = 1
-        return Namespace(str(values["model_id"]), layout, 0, tp_size, 0, 1, str(values.get("tenant_salt", "")))
-    except (InvalidArgument, ValueError, TypeError) as exc:
-        raise ConfigError(f"router.namespace: {exc}") from exc
 
 
 def _coerce(name: str, raw: Any, kind: Any) -> Any:

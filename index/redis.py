@@ -10,7 +10,8 @@ of KV heads) lives on one Redis shard and a match is a single script there; the 
 that one hot namespace cannot spread its load over several shards. The registry (nodes,
 leases) is one more tag, so a match costs at most two round trips: the live-node view
 (cached in this process for ``view_ttl_s`` and never past the earliest lease deadline it
-saw), then the MATCH script.
+saw), then the MATCH script, which searches each node's prefix with a few hundred probes
+instead of reading every block (exact for prefix-closed holdings; `RedisIndex.match`).
 
 Leases and epochs: ``register`` sets the node's lease (SET PX) and starts a new epoch
 when the lease was missing or this process registers the node for the first time (a
@@ -218,6 +219,12 @@ class RedisIndex(Index):
             )
 
     async def match(self, namespace: bytes, hashes: Sequence[BlockHash], node_ids: Collection[str] | None = None) -> list[NodeMatch]:
+        """`Index.match` by a search of each node's holdings, not a walk of every block
+        (index/redis_scripts.py, MATCH): exact where a node's holdings along the chain are
+        prefix-closed, which leaf-first eviction keeps them. Across a hole the probes step
+        over (narrower than MATCH_STRIDE blocks, and than its distance from the start of
+        its tier run) a node's prefix may be reported longer than it is — never shorter,
+        never across MATCH_STRIDE missing blocks in a row; fetching it is then a miss."""
         _check_namespace(namespace)
         if len(hashes) > MAX_CHAIN_BLOCKS:
             raise InvalidArgument(f"a chain holds at most {MAX_CHAIN_BLOCKS} blocks, got {len(hashes)}.")
@@ -379,13 +386,16 @@ def _check_namespace(namespace: bytes) -> None:
 
 
 def _joined(hashes: Sequence[BlockHash]) -> bytes:
+    """The hashes concatenated. Only the total length is checked on the way (a per-hash
+    check costs more than a whole match's script): hashes of wrong lengths that add up
+    misalign nothing but themselves, so they miss, as unknown hashes do."""
     try:
         chain = b"".join(hashes)
     except TypeError as exc:
         raise InvalidArgument("block hashes must be bytes.") from exc
-    lengths = set(map(len, hashes))
-    if lengths - {HASH_BYTES}:
-        raise InvalidArgument(f"every block hash is {HASH_BYTES} bytes; got lengths {sorted(lengths)}.")
+    if len(chain) != HASH_BYTES * len(hashes):
+        lengths = sorted(set(map(len, hashes)))
+        raise InvalidArgument(f"every block hash is {HASH_BYTES} bytes; got lengths {lengths}.")
     return chain
 
 

@@ -40,7 +40,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from kvstore.errors import IndexUnavailable
 
-__all__ = ["RedisBoundary", "RedisClient", "REGISTER", "VIEW", "APPLY", "MATCH", "SESSION_PUT", "SESSION_REASSIGN"]
+__all__ = ["RedisBoundary", "RedisClient", "REGISTER", "VIEW", "APPLY", "MATCH", "MATCH_STRIDE", "SESSION_PUT", "SESSION_REASSIGN"]
 
 RedisClient = aioredis.Redis | RedisCluster
 ScriptCall = tuple[str, Sequence[str], Sequence[Any]]  # source, keys, args
@@ -217,15 +217,41 @@ end
 return 1
 """
 
+MATCH_STRIDE = 64  # the widest gap between two probes of one tier run (below)
+
 # KEYS: namespace prefix "{p:ns}".  ARGV: chain (16-byte hashes concatenated), next (the
 # registry's last node number), then (num, epoch, state) triples for every node the
 # registry knows: state "c" = a live candidate, "l" = live but not asked about, "d" = its
 # lease was gone.  Returns {num_maps_collected, {num, length, tier, count, tier, count, ...},
 # ...}: one entry per candidate holding at least the first block, its matched blocks'
-# fastest tiers run-length encoded.  A node's walk reads its map by HMGET in growing
-# chunks (one call per chunk, not per block; it stops soon after the node's prefix ends),
-# or whole when the map is small.
-MATCH = """
+# fastest tiers run-length encoded.
+#
+# A node's prefix is searched, not walked: from the first block of a run of one tier, the
+# script probes 1, 2, 4, … MATCH_STRIDE blocks on, then every MATCH_STRIDE blocks, and the
+# chain's last block (HMGET in batches of 8, 16, … 256 probes); at the first probe that
+# finds another tier or no block, it bisects back to the last probe in the run for where
+# the run ends. A missing block there ends the prefix; another tier starts the next run.
+# An 8K-block chain costs a node ~length/MATCH_STRIDE + 13 probes per tier run, instead of
+# a read of every block. What that answers:
+# - exact when the node's holdings along the chain are prefix-closed (every block it holds
+#   has its parent held — leaf-first eviction keeps them so): the length always, and every
+#   block's tier unless two runs of one tier lie fewer than MATCH_STRIDE blocks apart
+#   (t…t u…v t…t; the blocks between are found whenever they are at least as many as
+#   the first run of t). Those blocks are then reported in tier t: the cost model's
+#   transfer time is off, the length is not.
+# - otherwise (holes: blocks the node lacks below ones it holds) never shorter than the
+#   true prefix, and over-reporting only across holes the probes step over: a hole of w
+#   blocks d blocks after the start of the tier run it interrupts is seen whenever
+#   w >= min(d, MATCH_STRIDE), or when the blocks beyond it are in another tier, and the
+#   prefix then ends at it or before. So the reported prefix never spans MATCH_STRIDE
+#   missing blocks in a row, ends on a held block with a missing one (or the chain's end)
+#   after it, and each reported run starts and ends on a block of its tier. E.g. held
+#   blocks 0-39 and 45-1499, all in one tier: the probes at 32 and 64 both hit, and match
+#   reports 1500 blocks where 40 form the true prefix. A fetch of such blocks gets what
+#   the peer really holds (it leases the longest prefix it has, tiers/manager.py) and the
+#   rest is recomputed: an over-report is a miss, never wrong data.
+MATCH = (
+    """
 local prefix, chain = KEYS[1], ARGV[1]
 local n, next_num = #chain / 16, tonumber(ARGV[2])
 local view = {}
@@ -249,73 +275,71 @@ for i = 1, #holders, 2 do
     collected = collected + 1
   end
 end
--- below Redis's default hash-max-ziplist-entries a hash is a flat list that HMGET scans
--- once per field: read such a map whole instead
-local SMALL_MAP = 512
+local STRIDE = """
+    + str(MATCH_STRIDE)
+    + """
 local LOWEST = {}
 for mask = 1, 31 do
   local t = 0
   while bit.band(mask, bit.lshift(1, t)) == 0 do t = t + 1 end
   LOWEST[tostring(mask)] = t
 end
-local hashes, split = {}, 0
-local function masks_of(key, map, first, last)
-  while split < last do
-    split = split + 1
-    hashes[split] = string.sub(chain, split * 16 - 15, split * 16)
-  end
-  if map == nil then return redis.call('HMGET', key, unpack(hashes, first, last)) end
-  local masks = {}
-  for j = first, last do masks[j - first + 1] = map[hashes[j]] or false end
+-- the fastest tier of the block at each 1-based chain position of `positions`; false: none
+local function tiers_at(key, positions)
+  local fields = {}
+  for j, i in ipairs(positions) do fields[j] = string.sub(chain, i * 16 - 15, i * 16) end
+  local masks = redis.call('HMGET', key, unpack(fields))
+  for j = 1, #masks do masks[j] = LOWEST[masks[j]] or false end
   return masks
+end
+-- the position past the run of tier t that starts at `first`, and that block's tier
+local function run_end(key, first, t)
+  local offset, batch, inside = 1, 8, first
+  while inside < n do
+    local probes = {}
+    while #probes < batch and first + offset < n do
+      probes[#probes + 1] = first + offset
+      offset = offset < STRIDE and offset * 2 or offset + STRIDE
+    end
+    if #probes < batch then probes[#probes + 1] = n end
+    local tiers = tiers_at(key, probes)
+    for j, past in ipairs(probes) do
+      local past_tier = tiers[j]
+      if past_tier ~= t then
+        -- bisect (inside, past]: `inside` is in t, `past` is not
+        while past - inside > 1 do
+          local middle = math.floor((inside + past) / 2)
+          local tier = tiers_at(key, {middle})[1]
+          if tier == t then inside = middle else past, past_tier = middle, tier end
+        end
+        return past, past_tier
+      end
+      inside = past
+    end
+    batch = math.min(batch * 2, 256)
+  end
+  return n + 1, false
 end
 local out = {collected}
 for _, num in ipairs(candidates) do
   local key = prefix .. ':m:' .. num
-  local map = nil
-  if redis.call('HLEN', key) <= SMALL_MAP then
-    map = {}
-    local flat = redis.call('HGETALL', key)
-    for i = 1, #flat, 2 do map[flat[i]] = flat[i + 1] end
-  end
-  local runs = {num, 0}
-  local matched, tier, mask, count, step, stopped = 0, -1, nil, 0, 32, false
-  while not stopped and matched < n do
-    local first, last = matched + 1, math.min(matched + step, n)
-    local masks = masks_of(key, map, first, last)
-    local width = last - first + 1
-    for j = 1, width do
-      local m = masks[j]
-      -- the hot loop: a tier lookup only where the mask changes (runs are long)
-      if m ~= mask then
-        local t = LOWEST[m]
-        if t == nil then
-          width, stopped = j - 1, true
-          break
-        end
-        if t ~= tier then
-          if count > 0 then
-            runs[#runs + 1] = tier
-            runs[#runs + 1] = count
-          end
-          tier, count = t, 0
-        end
-        mask = m
-      end
-      count = count + 1
+  local tier = n > 0 and tiers_at(key, {1})[1]
+  if tier then
+    local runs = {num, 0}
+    local first = 1
+    while tier do
+      local past, next_tier = run_end(key, first, tier)
+      runs[#runs + 1] = tier
+      runs[#runs + 1] = past - first
+      first, tier = past, next_tier
     end
-    matched = matched + width
-    step = math.min(step * 4, 4096)
-  end
-  if matched > 0 then
-    runs[#runs + 1] = tier
-    runs[#runs + 1] = count
-    runs[2] = matched
+    runs[2] = first - 1
     out[#out + 1] = runs
   end
 end
 return out
 """
+)
 
 # KEYS: the session key.  ARGV: node_id, ttl_ms, moved_from ('' if none).
 # A move is a change from the stored node, or, when the affinity had expired, from the

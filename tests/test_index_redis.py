@@ -20,6 +20,7 @@ from kvstore.errors import IndexUnavailable, InvalidArgument
 from kvstore.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored, RemovalReason
 from kvstore.index.base import NodeInfo
 from kvstore.index.redis import RedisIndex, RedisSessionStore, connect
+from kvstore.index.redis_scripts import MATCH_STRIDE
 from kvstore.tier_kind import TierKind
 
 HBM, HOST, NVME, GPU = TierKind.HBM, TierKind.HOST, TierKind.NVME, TierKind.GPU
@@ -82,19 +83,61 @@ class Model:
         out.sort(key=lambda m: (-len(m[1]), m[0]))
         return out
 
+    def fastest(self, node: str, ns: bytes, hashes) -> list[TierKind | None]:
+        """The fastest tier of each block of ``hashes`` the node holds, None where it lacks one."""
+        blocks = self.held.get((node, ns), {})
+        return [min(blocks[h], key=lambda t: t.rank) if h in blocks else None for h in hashes]
+
+
+def runs_of(tiers) -> list[tuple[int, int, TierKind | None]]:
+    """(start, end, tier) of each run of one tier."""
+    out: list[tuple[int, int, TierKind | None]] = []
+    for i, tier in enumerate(tiers):
+        if out and out[-1][2] is tier:
+            out[-1] = (out[-1][0], i + 1, tier)
+        else:
+            out.append((i, i + 1, tier))
+    return out
+
+
+def assert_within_bound(model: Model, ns: bytes, hashes, answer, node_ids=None) -> None:
+    """What index/redis_scripts.py's MATCH promises, checked block by block against the
+    model: exact where a node's holdings along the chain are prefix-closed and no two runs
+    of one tier lie fewer than MATCH_STRIDE blocks apart; otherwise never
+    shorter than the true prefix, ending on a held block followed by a missing one, never
+    across MATCH_STRIDE missing blocks in a row, every run beginning and ending on a block
+    of its tier."""
+    exact = model.match(ns, hashes, node_ids)
+    got = summary(answer)
+    assert sorted(node for node, _ in got) == sorted(node for node, _ in exact)  # whoever holds the first block
+    assert got == sorted(got, key=lambda m: (-len(m[1]), m[0]))  # best first
+    for node, tiers in got:
+        fastest = model.fastest(node, ns, hashes)
+        num_exact, num = len(dict(exact)[node]), len(tiers)
+        assert num >= num_exact, node
+        assert fastest[num - 1] is not None and (num == len(hashes) or fastest[num] is None), node
+        assert all(tier is not None or end - start < MATCH_STRIDE for start, end, tier in runs_of(fastest[:num])), node
+        assert all(fastest[start] is tier is fastest[end - 1] for start, end, tier in runs_of(tiers)), node
+        if all(tier is None for tier in fastest[num_exact:]):  # prefix-closed
+            assert num == num_exact, node
+            held_runs = runs_of(fastest[:num_exact])
+            close = [(a, b) for i, a in enumerate(held_runs) for b in held_runs[i + 1 :] if a[2] is b[2] and b[0] - a[1] < MATCH_STRIDE]
+            if not close:
+                assert tiers == dict(exact)[node], node
+
 
 def test_matches_agree_with_what_each_node_holds(redis_server):
     async def scenario():
         index = new_index(redis_server)
         router = RedisIndex(redis_server.url, key_prefix=index._prefix, view_ttl_s=0)
         model = Model()
-        prompt = chain(1500, seed=1)  # maps above and below 512 entries, which MATCH reads differently
+        prompt = chain(1500, seed=1)
         for node in ("a", "b", "c", "d", "e"):
             await index.register(NodeInfo(node, grpc_address=f"{node}:50051"), lease_ttl_s=30)
         batches = {
             "a": [stored(NS_A, prompt[:120], HOST)],
             "b": [stored(NS_A, prompt[:10], HBM), stored(NS_A, prompt[10:1200], NVME)],
-            "c": [stored(NS_A, prompt[:40], HBM), stored(NS_A, prompt[45:1500], HBM)],  # a gap at 40..44
+            "c": [stored(NS_A, prompt[:40], HBM), stored(NS_A, prompt[40 + MATCH_STRIDE : 1500], HBM)],  # a wide gap at 40
             "d": [stored(NS_A, prompt[1:1250], HOST)],  # lacks the first block: no match at all
             "e": [stored(NS_B, prompt[:300], GPU), stored(NS_A, prompt[:5], GPU)],
         }
@@ -111,7 +154,7 @@ def test_matches_agree_with_what_each_node_holds(redis_server):
         assert summary(await index.match(NS_A, prompt, node_ids=subset)) == model.match(NS_A, prompt, subset)
         assert await index.match(NS_A, prompt, node_ids=[]) == []
         assert summary(await index.match(NS_A, prompt[:3])) == model.match(NS_A, prompt[:3])
-        # random edits from every node keep agreeing with the model
+        # random edits from every node keep within what MATCH promises
         rng = random.Random(7)
         for _ in range(30):
             node, start = rng.choice("abcde"), rng.choice([rng.randrange(0, 300), rng.randrange(0, 1500)])
@@ -123,11 +166,119 @@ def test_matches_agree_with_what_each_node_holds(redis_server):
             ])  # fmt: skip
             await index.publish(node, [event])
             model.apply(node, [event])
-            assert summary(await index.match(NS_A, prompt)) == model.match(NS_A, prompt)
+            assert_within_bound(model, NS_A, prompt, await index.match(NS_A, prompt))
         assert sorted(n.node_id for n in await router.nodes()) == ["a", "b", "c", "d", "e"]
         assert {n.grpc_address for n in await router.nodes()} == {f"{x}:50051" for x in "abcde"}
         await index.close()
         await router.close()
+
+    asyncio.run(scenario())
+
+
+def tier_layout(length: int, rng: random.Random) -> list[TierKind]:
+    """Runs of 1 to 300 blocks; two runs of one tier are never fewer than MATCH_STRIDE
+    blocks apart, the one case where MATCH may report a block's tier wrong."""
+    tiers: list[TierKind] = []
+    while len(tiers) < length:
+        ends = {tier: end for _, end, tier in runs_of(tiers)}  # where each tier's last run ended
+        allowed = [t for t in (GPU, HBM, HOST, NVME) if t not in ends or len(tiers) - ends[t] >= MATCH_STRIDE]
+        tiers += [rng.choice(allowed)] * rng.randrange(1, 300)
+    return tiers[:length]
+
+
+def stored_layout(ns: bytes, hashes, tiers) -> list[BlockStored]:
+    return [stored(ns, hashes[start:end], tier) for start, end, tier in runs_of(tiers)]
+
+
+def test_prefix_closed_holdings_match_exactly_at_every_length(redis_server):
+    async def scenario():
+        index = new_index(redis_server, view_ttl_s=0)
+        model = Model()
+        rng = random.Random(11)
+        prompt = chain(8193, seed=10)
+        lengths = {0, 1, 2, 3, len(prompt) - 1, len(prompt)}
+        lengths |= {length for k in range(1, 14) for length in (2**k - 1, 2**k, 2**k + 1) if length <= len(prompt)}
+        for length in sorted(lengths):
+            node = f"n{length}"
+            await index.register(NodeInfo(node), lease_ttl_s=30)
+            events = stored_layout(NS_A, prompt, tier_layout(length, rng))
+            await index.publish(node, events)
+            model.apply(node, events)
+        for size in (len(prompt), 8192, 4097, 1000, 64, 2, 1):
+            before = index.num_round_trips
+            answer = await index.match(NS_A, prompt[:size])
+            assert index.num_round_trips - before <= 2
+            assert summary(answer) == model.match(NS_A, prompt[:size])
+            assert_within_bound(model, NS_A, prompt[:size], answer)
+        assert sorted(m.num_blocks for m in await index.match(NS_A, prompt)) == sorted(lengths - {0})
+        # node subsets: the same answers, for those nodes only
+        subset = {"n0", "n1", "n4095", "n8193", "nobody"}
+        assert summary(await index.match(NS_A, prompt, node_ids=subset)) == model.match(NS_A, prompt, subset)
+        await index.close()
+
+    asyncio.run(scenario())
+
+
+def test_holes_are_reported_within_the_stated_bound(redis_server):
+    async def scenario():
+        index = new_index(redis_server, view_ttl_s=0)
+        model = Model()
+        prompt = chain(3000, seed=12)
+        wide = MATCH_STRIDE
+        holdings = {
+            "jumped": [stored(NS_A, prompt[:40], HBM), stored(NS_A, prompt[45:1500], HBM)],  # 5 < 40 blocks from the run's start
+            "found-wide": [stored(NS_A, prompt[:1000], HOST), stored(NS_A, prompt[1000 + wide : 3000], HOST)],
+            "found-near": [stored(NS_A, prompt[:2], HOST), stored(NS_A, prompt[3:2000], HOST)],  # 1 block, 2 from the start
+            "found-tier": [stored(NS_A, prompt[:40], HBM), stored(NS_A, prompt[41:1500], NVME)],  # the tier differs beyond it
+            "late-blocks": [stored(NS_A, prompt[:700], NVME), stored(NS_A, prompt[900:950], NVME)],  # 200 missing, then more
+            # prefix-closed, the length exact; 10 HOST blocks between probes of HBM are reported in HBM
+            "tier-jumped": [stored(NS_A, prompt[:100], HBM), stored(NS_A, prompt[100:110], HOST), stored(NS_A, prompt[110:500], HBM)],
+        }
+        for node, events in holdings.items():
+            await index.register(NodeInfo(node), lease_ttl_s=30)
+            await index.publish(node, events)
+            model.apply(node, events)
+        answer = await index.match(NS_A, prompt)
+        assert [(m.node_id, m.num_blocks) for m in answer] == [
+            ("jumped", 1500), ("found-wide", 1000), ("late-blocks", 700), ("tier-jumped", 500), ("found-tier", 40), ("found-near", 2),
+        ]  # fmt: skip
+        assert dict(summary(answer))["tier-jumped"] == (HBM,) * 500
+        assert_within_bound(model, NS_A, prompt, answer)
+        # many nodes, random holes and tiers: always within the bound, exact where prefix-closed
+        rng = random.Random(13)
+        for k in range(12):
+            node = f"r{k}"
+            await index.register(NodeInfo(node), lease_ttl_s=30)
+            length = rng.randrange(1, len(prompt) + 1)
+            events = stored_layout(NS_A, prompt, tier_layout(length, rng))
+            for _ in range(rng.randrange(0, 4) if k % 3 else 0):  # every third node stays prefix-closed
+                start = rng.randrange(1, length)
+                events.append(BlockRemoved(NS_A, tuple(prompt[start : start + rng.randrange(1, 2 * wide)]), NVME, RemovalReason.CORRUPT))
+                events.append(BlockRemoved(NS_A, tuple(prompt[start : start + rng.randrange(1, 2 * wide)]), HOST, RemovalReason.CORRUPT))
+            await index.publish(node, events)
+            model.apply(node, events)
+        assert_within_bound(model, NS_A, prompt, await index.match(NS_A, prompt))
+        for size in (1, 2, 63, 64, 65, 1024, 2999):
+            assert_within_bound(model, NS_A, prompt[:size], await index.match(NS_A, prompt[:size]))
+        await index.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_expired_node_drops_out_of_a_match_of_a_long_chain(redis_server):
+    async def scenario():
+        index = new_index(redis_server, view_ttl_s=5.0)
+        prompt = chain(8192, seed=14)
+        await index.register(NodeInfo("short"), lease_ttl_s=0.3)
+        await index.register(NodeInfo("long"), lease_ttl_s=30)
+        await index.publish("short", [stored(NS_A, prompt, HBM)])
+        await index.publish("long", [stored(NS_A, prompt[:5000], HOST), stored(NS_A, prompt[5000:6000], NVME)])
+        assert [(m.node_id, m.num_blocks) for m in await index.match(NS_A, prompt)] == [("short", 8192), ("long", 6000)]
+        await asyncio.sleep(0.35)
+        before = index.num_round_trips
+        assert summary(await index.match(NS_A, prompt)) == [("long", (HOST,) * 5000 + (NVME,) * 1000)]
+        assert index.num_round_trips - before <= 2
+        await index.close()
 
     asyncio.run(scenario())
 

@@ -108,6 +108,26 @@ def test_remote_fetch_brings_the_missing_suffix_from_the_peer_the_index_names():
     run(main())
 
 
+def test_a_prefix_the_index_over_reports_is_fetched_as_far_as_the_peer_holds_it():
+    """The Redis index's match may step over a narrow hole and report a longer prefix than
+    a node holds (index/redis_scripts.py, MATCH): the fetch gets what the peer really has."""
+
+    async def main():
+        fleet = Fleet()
+        a, b = await fleet.add("a"), await fleet.add("b")
+        hashes, data = _hashes(8), _blocks(8, seed=5)
+        a.manager.put(DIGEST, hashes[:3], data[:3])
+        await fleet.publish()
+        await fleet.index.publish("a", [BlockStored(DIGEST, tuple(hashes), None, TierKind.HOST, BLOCK)])  # says 8
+        assert [(m.node_id, m.num_blocks) for m in await fleet.index.match(DIGEST, hashes)] == [("a", 8)]
+        cached = await b.fetch_missing(DIGEST, hashes, deadline_s=5)
+        assert cached == 3  # the rest is a miss: recomputed
+        assert all(torch.equal(x, y) for x, y in zip(_read(b.node, hashes[:3]), data[:3]))
+        await fleet.close()
+
+    run(main())
+
+
 def test_a_block_corrupted_in_transit_ends_the_fetched_prefix_there():
     async def main():
         fleet = Fleet()

@@ -235,10 +235,11 @@ class TierManager:
         if len(blocks) != len(hashes):
             raise InvalidArgument(f"{len(hashes)} hashes were given with {len(blocks)} blocks.")
         nbytes = self.block_bytes(namespace)
-        data = {h: byte_view(b) for h, b in zip(hashes, blocks)}
-        for block_hash, view in data.items():
+        data = list(map(byte_view, blocks))
+        for block_hash, view in zip(hashes, data):
             if view.numel() != nbytes:
                 raise BlockSizeMismatch(f"block {block_hash.hex()} has {view.numel()} bytes; its namespace's blocks have {nbytes}.")
+        position: dict[BlockHash, int] = {}
         # in chunks that leave the tier room to demote while the chain is written
         chunk = max(1, self._stack.capacity_in_blocks(self._stack.usable(None), nbytes) // 4)
         stored = 0
@@ -246,7 +247,11 @@ class TierManager:
             parent = hashes[start - 1] if start else parent_hash
             reservation = yield from self.reserve_steps(namespace, hashes[start : start + chunk], parent)
             tier = self._stack[reservation.tier]
-            views = [data[block.block_hash] for block in reservation.blocks]
+            if reservation.num_cached == 0:  # the leading blocks of the chunk, in order
+                views = data[start : start + len(reservation.blocks)]
+            else:
+                position = position or {h: i for i, h in enumerate(hashes)}
+                views = [data[position[block.block_hash]] for block in reservation.blocks]
             try:
                 if isinstance(tier, MemoryTier):
                     checksums = tier.write_checksummed([block.slot for block in reservation.blocks], views)

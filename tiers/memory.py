@@ -82,7 +82,7 @@ class MemoryTier(_SlabTier):
             nbytes = source.numel()
             if nbytes > slot.nbytes:
                 raise BlockSizeMismatch(f"a block of {nbytes} bytes does not fit a {slot.nbytes}-byte slot.")
-            if landed is not None and source.device.type == "cpu":
+            if landed is not None and source.is_cpu:
                 checksums.append(copy_checksummed(base + slot.offset, landed[slot.offset : slot.offset + nbytes], source.data_ptr()))
                 continue
             target = self.view(slot, nbytes)

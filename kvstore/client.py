@@ -63,7 +63,7 @@ from kvstore.namespace import Namespace
 from kvstore.paths import default_socket_path
 from kvstore.tier_kind import TierKind
 from kvstore.tiers import device
-from kvstore.tiers.base import byte_view, checksums_beside
+from kvstore.tiers.base import byte_view, checksums_beside, copy_checksummed
 from kvstore.tiers.host import SharedSlab
 from kvstore.tiers.slab import Slot
 
@@ -73,7 +73,6 @@ logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 2.0
 LAG_GRACE_S = 0.1  # while an answer is overdue, how long a call waits for it before failing at once
-_CHUNK = 256 * 1024  # copy-and-hash granule: the chunk is still in cache when it is hashed
 # how long a connection may spend mapping the slab's pages in before a helper thread
 # takes over (tiers/prefault.py): the first save of a fresh process runs at warm speed
 _PREFAULT_BUDGET_S = 0.2
@@ -447,14 +446,7 @@ def _copy_in(slots: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> 
             slot.copy_(source)  # device → host: returns once the bytes are in the slab
             checksums.append(_checksum(slot))
             continue
-        state = xxhash.xxh3_64()
-        dst, src, size = slot.data_ptr(), source.data_ptr(), slot.numel()
-        landed = memoryview(slot.numpy())
-        for offset in range(0, size, _CHUNK):
-            length = min(_CHUNK, size - offset)
-            ctypes.memmove(dst + offset, src + offset, length)
-            state.update(landed[offset : offset + length])
-        checksums.append(state.intdigest())
+        checksums.append(copy_checksummed(slot.data_ptr(), memoryview(slot.numpy()), source.data_ptr()))
     return checksums
 
 

@@ -71,3 +71,31 @@ def test_prefix_ranks_match_a_walk_of_the_entries(operations) -> None:
     for start in range(0, 300, 25):
         chain = POOL[start : start + 80]
         assert catalogue.prefix_ranks(NAMESPACE, b"".join(chain)) == walked(catalogue, NAMESPACE, chain)
+
+
+def links(catalogue: Catalogue) -> dict:
+    return {
+        e.key: (None if e.parent is None else e.parent.key, sorted(c.key for c in e.children or ()), e.reachable, e.tier) for e in catalogue
+    }
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 59), st.integers(1, 12)), max_size=20))
+def test_a_chain_inserted_at_once_is_linked_as_if_inserted_block_by_block(runs) -> None:
+    one_by_one_reclassified, chained_reclassified = [], []
+    one_by_one = Catalogue(lambda e: one_by_one_reclassified.append(e.key))
+    chained = Catalogue(lambda e: chained_reclassified.append(e.key))
+    new_in_run: set = set()
+    for start, length in runs:  # runs of a chain in any order: some extend a cached block, some wait for a parent
+        indices = [i for i in range(start, min(start + length, 60)) if (NAMESPACE, POOL[i]) not in chained]
+        for i in indices:
+            one_by_one.insert(entry(NAMESPACE, i, TierKind.HOST))
+        new_in_run = {(NAMESPACE, POOL[i]) for i in indices}
+        chained.insert_chain([entry(NAMESPACE, i, TierKind.HOST) for i in indices])
+        # blocks already cached before the run are reclassified alike; a block of the run itself is in no policy yet
+        assert [k for k in chained_reclassified if k not in new_in_run] == [k for k in one_by_one_reclassified if k not in new_in_run]
+        one_by_one_reclassified.clear()
+        chained_reclassified.clear()
+    assert links(chained) == links(one_by_one)
+    chain = b"".join(POOL[:60])
+    assert chained.prefix_ranks(NAMESPACE, chain) == one_by_one.prefix_ranks(NAMESPACE, chain)

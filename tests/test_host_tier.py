@@ -160,3 +160,15 @@ def test_a_mapping_closed_while_it_is_prefaulted_stops_the_work_and_unmaps():
         assert work.done.is_set() and engine._mapping.closed
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("nbytes", [4096, 256 * 1024, 1024 * 1024 + 4096])  # one chunk, exactly one, several and a tail
+def test_write_checksummed_lands_every_byte_and_returns_the_checksum_of_what_landed(host_tier, nbytes):
+    from kvstore.tiers.base import block_checksum
+
+    slots = [host_tier.allocate(nbytes) for _ in range(3)]
+    sources = [pattern(nbytes, seed) for seed in range(3)]
+    checksums = host_tier.write_checksummed(slots, sources)
+    assert checksums == [block_checksum(source) for source in sources]
+    for slot, source in zip(slots, sources):
+        assert torch.equal(host_tier.view(slot, nbytes), source)

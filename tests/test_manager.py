@@ -18,7 +18,6 @@ from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 from kvstore.tier_kind import TierKind
-from kvstore.tiers.base import checksums_beside
 from kvstore.tiers.manager import TierManager, TierManagerConfig
 from kvstore.tiers.memory import MemoryTier, VirtualTier, _SlabTier
 
@@ -352,18 +351,23 @@ def test_a_promotion_whose_reader_went_away_still_finishes_and_leaks_nothing():
     assert all(torch.equal(v, d) for v, d in zip(manager.lease_views(lease), data))
 
 
-@pytest.mark.parametrize("num_blocks", [8, 512])  # 128 KiB: hashed in line; 8 MiB: beside the copies
-def test_a_put_commits_each_blocks_checksum_of_its_bytes(num_blocks, monkeypatch):
+@pytest.mark.parametrize("num_blocks", [8, 512])  # 128 KiB and 8 MiB
+def test_a_put_commits_each_blocks_checksum_of_its_bytes_taken_as_they_are_copied(num_blocks, monkeypatch):
+    import kvstore.tiers.base as base_module
     import kvstore.tiers.manager as manager_module
+    import kvstore.tiers.reservations as reservations_module
     from kvstore.tiers.base import block_checksum
 
-    beside = []
-    monkeypatch.setattr(manager_module, "checksums_beside", lambda buffers: beside.append(len(buffers)) or checksums_beside(buffers))
+    def refuse(*_):
+        raise AssertionError("a put from host memory hashes what it copies on its own thread, in cache, not in a second pass")
+
+    for module in (base_module, manager_module):
+        monkeypatch.setattr(module, "checksums_beside", refuse, raising=False)
+    monkeypatch.setattr(reservations_module, "block_checksum", refuse)
     manager = make_manager(host_blocks=4 * num_blocks + 8)  # a put reserves a quarter of the tier at a time
     hashes = chain_hashes(torch.arange(num_blocks * 16), 16)
     blocks = [torch.randint(0, 256, (BLOCK,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)) for i in range(num_blocks)]
     assert manager.put(NS, hashes, blocks) == num_blocks
-    assert beside == ([num_blocks] if num_blocks * BLOCK >= manager_module.PARALLEL_CHECKSUM_BYTES else [])
     for block_hash, block in zip(hashes, blocks):
         assert manager.catalogue.get((NS, block_hash)).checksum == block_checksum(block)
     lease = manager.acquire(NS, hashes)

@@ -61,3 +61,18 @@ def test_errors():
         slab.allocate(2 * MiB)
     with pytest.raises(InvalidArgument):
         slab.free(Slot(0, 4096))
+
+
+def test_allocate_many_hands_out_what_allocate_would_and_stops_when_full():
+    one_by_one, batched = SlabAllocator(4 * MiB, MiB), SlabAllocator(4 * MiB, MiB)
+    expected = [one_by_one.allocate(300_000) for _ in range(7)]
+    assert batched.allocate_many(300_000, 7) == expected  # across pages, lowest offsets first
+    assert batched.used_bytes == one_by_one.used_bytes
+    rest = batched.allocate_many(300_000, 10)
+    assert len(rest) == 5 and batched.allocate(300_000) is None  # 12 slots in all, each handed out once
+    assert len({s.offset for s in expected + rest}) == 12
+    for slot in rest:
+        batched.free(slot)
+    assert batched.allocate_many(300_000, 0) == []
+    assert sorted(batched.allocate_many(300_000, 5)) == sorted(rest)  # freed slots are handed out again
+    assert batched.used_bytes == 12 * 303_104

@@ -27,7 +27,9 @@ from kvstore.hashing import BlockHash
 from kvstore.tier_kind import TierKind
 from kvstore.tiers.slab import Slot
 
-__all__ = ["BlockMeta", "Tier", "TierStats", "block_checksum", "checksums_beside", "byte_view", "copy_bytes"]
+__all__ = ["BlockMeta", "Tier", "TierStats", "block_checksum", "copy_checksummed", "checksums_beside", "byte_view", "copy_bytes"]
+
+CHECKSUM_CHUNK_BYTES = 256 * 1024  # copy-and-hash granule: a chunk is still in cache (L2) when it is hashed
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,13 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def allocate(self, nbytes: int) -> Slot | None:
         """A free slot that holds ``nbytes``, or None when the tier is full."""
+
+    def allocate_many(self, nbytes: int, count: int) -> list[Slot]:
+        """Up to ``count`` free slots that hold ``nbytes`` each; fewer when the tier fills."""
+        slots: list[Slot] = []
+        while len(slots) < count and (slot := self.allocate(nbytes)) is not None:
+            slots.append(slot)
+        return slots
 
     @abc.abstractmethod
     def free(self, slot: Slot) -> None:
@@ -112,6 +121,24 @@ def block_checksum(data: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(data.numpy()))
 
 
+def copy_checksummed(dst_address: int, landed: memoryview, src_address: int) -> int:
+    """Copy ``len(landed)`` bytes from ``src_address`` to ``dst_address`` (``landed`` is a
+    view of the destination) and return their XXH3-64, each cache-sized chunk hashed right
+    after its copy, while it is still in cache: ~0.2 of a copy's time on top of it, against
+    ~0.6 for a second pass over memory, and on the caller's thread (a helper thread gains
+    only where a core is free)."""
+    nbytes = len(landed)
+    if nbytes <= CHECKSUM_CHUNK_BYTES:
+        ctypes.memmove(dst_address, src_address, nbytes)
+        return xxhash.xxh3_64_intdigest(landed)
+    state = xxhash.xxh3_64()
+    for offset in range(0, nbytes, CHECKSUM_CHUNK_BYTES):
+        end = min(offset + CHECKSUM_CHUNK_BYTES, nbytes)
+        ctypes.memmove(dst_address + offset, src_address + offset, end - offset)
+        state.update(landed[offset:end])
+    return state.intdigest()
+
+
 def checksums_beside(buffers: Sequence[memoryview]) -> Future[list[int]]:
     """The XXH3-64 of each buffer, taken on a helper thread while the caller goes on (xxhash
     releases the GIL: a copy of the same bytes on this thread runs beside it, on a host
@@ -136,6 +163,8 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """The bytes of a contiguous tensor of any dtype as a flat uint8 view (no copy)."""
     if not tensor.is_contiguous():
         raise InvalidArgument("block tensors must be contiguous; call .contiguous() first.")
+    if tensor.dtype is torch.uint8 and tensor.dim() == 1:
+        return tensor  # already one: a reshape costs ~1 µs, paid per block on the save path
     flat = tensor.reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 

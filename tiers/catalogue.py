@@ -21,7 +21,7 @@ step with it); not thread-safe.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -172,6 +172,30 @@ class Catalogue:
                 child.parent = entry
             if entry.reachable:
                 self._set_reachable(adopted, True)
+
+    def insert_chain(self, entries: Sequence[BlockEntry]) -> None:
+        """``insert`` each entry in turn, for blocks in no eviction policy yet (tiers/residency.py
+        adds them after): a block whose parent is the one before it is linked to it in place,
+        with no lookup and no reclassification of a parent no policy holds."""
+        previous: BlockEntry | None = None
+        ranks: dict[BlockHash, int] | None = None
+        for entry in entries:
+            key = entry.key
+            if previous is None or entry.parent_key != previous.key or self._waiting:
+                self.insert(entry)
+            else:
+                assert key not in self._entries, "a block is inserted once; callers check first"
+                entry.parent = previous
+                entry.reachable = previous.reachable
+                if previous.children is None:
+                    previous.children = {entry}
+                else:
+                    previous.children.add(entry)
+                self._entries[key] = entry
+                if ranks is None:
+                    ranks = self._ranks[key[0]]
+                ranks[key[1]] = ranks[previous.key[1]] if entry.tier is previous.tier else entry.tier.rank
+            previous = entry
 
     def remove(self, entry: BlockEntry) -> None:
         del self._entries[entry.key]

@@ -179,4 +179,5 @@ class HostTier(MemoryTier):
     def close(self) -> None:
         self._buffer = torch.empty(0, dtype=torch.uint8)
         self._cpu_base = None
+        self._cpu_bytes = None
         self.shared.close()

@@ -46,7 +46,6 @@ import collections
 import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent import futures
 from dataclasses import dataclass
 
 import torch
@@ -56,10 +55,11 @@ from kvstore.events import BlockStored, EventQueue, RemovalReason
 from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.namespace import Namespace
 from kvstore.tier_kind import TIER_BY_RANK, TierKind
-from kvstore.tiers.base import BlockMeta, Tier, TierStats, block_checksum, byte_view, checksums_beside
+from kvstore.tiers.base import BlockMeta, Tier, TierStats, block_checksum, byte_view
 from kvstore.tiers.catalogue import BlockEntry
 from kvstore.tiers.eviction import POLICIES
 from kvstore.tiers.leases import ReadLeases
+from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.movement import Mover, block_meta
 from kvstore.tiers.records import BlockInfo, EvictResult, LeasedBlock, ReadLease, Reservation, ReservedBlock
 from kvstore.tiers.reservations import Reservations
@@ -78,9 +78,6 @@ __all__ = [
     "BlockInfo",
     "EvictResult",
 ]
-
-
-PARALLEL_CHECKSUM_BYTES = 4 << 20  # from here a put hashes its blocks beside the copies (the engine's client does the same)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,14 +231,15 @@ class TierManager:
         self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor], parent_hash: BlockHash | None = None
     ) -> Steps[int]:
         """Reserve, copy and commit a chain of blocks (the manager is their writer here, so
-        it takes their checksums); returns how many were new."""
+        it takes their checksums: into a memory tier, as it copies); returns how many were new."""
         if len(blocks) != len(hashes):
             raise InvalidArgument(f"{len(hashes)} hashes were given with {len(blocks)} blocks.")
         nbytes = self.block_bytes(namespace)
-        data = {h: byte_view(b) for h, b in zip(hashes, blocks)}
-        for block_hash, view in data.items():
+        data = list(map(byte_view, blocks))
+        for block_hash, view in zip(hashes, data):
             if view.numel() != nbytes:
                 raise BlockSizeMismatch(f"block {block_hash.hex()} has {view.numel()} bytes; its namespace's blocks have {nbytes}.")
+        position: dict[BlockHash, int] = {}
         # in chunks that leave the tier room to demote while the chain is written
         chunk = max(1, self._stack.capacity_in_blocks(self._stack.usable(None), nbytes) // 4)
         stored = 0
@@ -249,20 +247,19 @@ class TierManager:
             parent = hashes[start - 1] if start else parent_hash
             reservation = yield from self.reserve_steps(namespace, hashes[start : start + chunk], parent)
             tier = self._stack[reservation.tier]
-            views = [data[block.block_hash] for block in reservation.blocks]
-            # many megabytes from host memory: hashed on a helper thread while they are copied
-            beside = tier.holds_bytes and len(views) * nbytes >= PARALLEL_CHECKSUM_BYTES and all(v.device.type == "cpu" for v in views)
-            hashing = checksums_beside([memoryview(view.numpy()) for view in views]) if beside else None
+            if reservation.num_cached == 0:  # the leading blocks of the chunk, in order
+                views = data[start : start + len(reservation.blocks)]
+            else:
+                position = position or {h: i for i, h in enumerate(hashes)}
+                views = [data[position[block.block_hash]] for block in reservation.blocks]
             try:
-                for block, view in zip(reservation.blocks, views):
-                    tier.write(block.slot, view, BlockMeta(namespace, block.block_hash, block.parent_hash, nbytes))
-                if hashing is not None:
-                    checksums = hashing.result()
+                if isinstance(tier, MemoryTier):
+                    checksums = tier.write_checksummed([block.slot for block in reservation.blocks], views)
                 else:
+                    for block, view in zip(reservation.blocks, views):
+                        tier.write(block.slot, view, BlockMeta(namespace, block.block_hash, block.parent_hash, nbytes))
                     checksums = [block_checksum(view) if tier.holds_bytes else None for view in views]
             except BaseException:
-                if hashing is not None:
-                    futures.wait([hashing])  # the helper reads the caller's blocks until it is done
                 self.abort(reservation.id)
                 raise
             stored += self.commit(reservation.id, None, checksums)

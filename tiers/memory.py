@@ -7,12 +7,13 @@ manager copy straight into and out of it.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import torch
 
 from kvstore.errors import BlockSizeMismatch, TierUnavailable
 from kvstore.tier_kind import TierKind
-from kvstore.tiers.base import BlockMeta, Tier, TierStats, byte_view, copy_bytes
+from kvstore.tiers.base import BlockMeta, Tier, TierStats, block_checksum, byte_view, copy_bytes, copy_checksummed
 from kvstore.tiers.slab import SlabAllocator, Slot
 
 __all__ = ["MemoryTier", "VirtualTier", "DEFAULT_PAGE_BYTES"]
@@ -32,6 +33,9 @@ class _SlabTier(Tier):
     def allocate(self, nbytes: int) -> Slot | None:
         return self._slab.allocate(nbytes)
 
+    def allocate_many(self, nbytes: int, count: int) -> list[Slot]:
+        return self._slab.allocate_many(nbytes, count)
+
     def free(self, slot: Slot) -> None:
         self._slab.free(slot)
 
@@ -48,6 +52,8 @@ class MemoryTier(_SlabTier):
         # CPU slots are copied by address: slicing a tensor per block costs more than a
         # quarter of a 256 KiB memcpy's time
         self._cpu_base = buffer.data_ptr() if buffer.device.type == "cpu" else None
+        # what the checksums of writes are taken from, sliced per block without a tensor
+        self._cpu_bytes = memoryview(buffer.numpy()) if self._cpu_base is not None else None
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -64,6 +70,25 @@ class MemoryTier(_SlabTier):
             ctypes.memmove(self._cpu_base + slot.offset, data.data_ptr(), meta.nbytes)
         else:
             copy_bytes(self.view(slot, meta.nbytes), data)
+
+    def write_checksummed(self, slots: Sequence[Slot], sources: Sequence[torch.Tensor]) -> list[int]:
+        """Copy each source (a flat uint8 tensor of a block's bytes) into its slot and return
+        the XXH3-64 of each block as it landed. From host memory into host memory the
+        checksum is taken as the bytes are copied (``copy_checksummed``); otherwise the copy
+        is waited for and the bytes are hashed where they are in host memory."""
+        base, landed = self._cpu_base, self._cpu_bytes
+        checksums = []
+        for slot, source in zip(slots, sources):
+            nbytes = source.numel()
+            if nbytes > slot.nbytes:
+                raise BlockSizeMismatch(f"a block of {nbytes} bytes does not fit a {slot.nbytes}-byte slot.")
+            if landed is not None and source.is_cpu:
+                checksums.append(copy_checksummed(base + slot.offset, landed[slot.offset : slot.offset + nbytes], source.data_ptr()))
+                continue
+            target = self.view(slot, nbytes)
+            target.copy_(source)  # blocking: the bytes are in place before they are hashed
+            checksums.append(block_checksum(target if landed is not None else source.cpu()))
+        return checksums
 
     def read(self, slot: Slot, dst: torch.Tensor, meta: BlockMeta) -> None:
         data = _checked_bytes(dst, meta)

@@ -209,9 +209,9 @@ class Mover:
         waited_for_others = False
         try:
             while len(slots) < count:
-                slot = tier.allocate(nbytes)
-                if slot is not None:
-                    slots.append(slot)
+                free = tier.allocate_many(nbytes, count - len(slots))
+                if free:
+                    slots += free
                     continue
                 waits: list[Move] = []
                 evicted = 0

@@ -92,9 +92,17 @@ class Reservations:
         get = residency.catalogue.get
         pending = self._pending
         reservation_id = self._new_id()
-        new_indices = [index for index, key in enumerate(keys) if get(key) is None and key not in pending]
+        found = list(map(get, keys))
+        if found.count(None) == len(keys) and pending.keys().isdisjoint(keys):  # the usual save: every block is new
+            new_indices: Sequence[int] = range(len(keys))
+            guarded = []
+        else:
+            new_indices = [index for index, (key, entry) in enumerate(zip(keys, found)) if entry is None and key not in pending]
+            guarded = [entry for entry in found if entry is not None]
         num_cached = len(keys) - len(new_indices)
-        guarded = [e for e in map(get, [(namespace, parent_hash)] + keys) if e is not None]
+        parent = get((namespace, parent_hash))
+        if parent is not None:
+            guarded.append(parent)
         now = self._clock()
         for entry in guarded:  # the chain being extended is in use: not evicted to make room for itself
             entry.last_access = now
@@ -136,23 +144,26 @@ class Reservations:
             checksums = self._checksums_of(reservation, count)
         del self._open[reservation_id]
         now = self._clock()
-        namespace, kind = reservation.namespace, reservation.tier
-        segment: list[BlockHash] = []
-        segment_parent: BlockHash | None = None
+        namespace, kind, nbytes = reservation.namespace, reservation.tier, reservation.nbytes
+        written = reservation.blocks[:count]
+        pending = self._pending
         entries: list[BlockEntry] = []
-        for index, block in enumerate(reservation.blocks[:count]):
+        parent_key: BlockKey | None = None
+        for block, checksum in zip(written, checksums):
             key = (namespace, block.block_hash)
-            del self._pending[key]
-            parent_key = None if block.parent_hash is None else (namespace, block.parent_hash)
-            entries.append(BlockEntry(key, parent_key, kind, block.slot, reservation.nbytes, now, checksums[index]))
-            # one event per run of blocks that continue each other, as vLLM reports them
-            if not segment or block.parent_hash != segment[-1]:
-                if segment:
-                    self._events.append(BlockStored(namespace, tuple(segment), segment_parent, kind, reservation.nbytes))
-                segment, segment_parent = [], block.parent_hash
-            segment.append(block.block_hash)
-        if segment:
-            self._events.append(BlockStored(namespace, tuple(segment), segment_parent, kind, reservation.nbytes))
+            del pending[key]
+            parent_hash = block.parent_hash
+            if parent_key is None or parent_key[1] != parent_hash:  # else it continues the block before: that one's key
+                parent_key = None if parent_hash is None else (namespace, parent_hash)
+            entries.append(BlockEntry(key, parent_key, kind, block.slot, nbytes, now, checksum))
+            parent_key = key
+        # one event per run of blocks that continue each other, as vLLM reports them
+        start = 0
+        for end in range(1, count + 1):
+            if end == count or written[end].parent_hash != written[end - 1].block_hash:
+                segment = tuple(block.block_hash for block in written[start:end])
+                self._events.append(BlockStored(namespace, segment, written[start].parent_hash, kind, nbytes))
+                start = end
         self._residency.add(entries)
         self._release_slots(reservation, reservation.blocks[count:])
         self._counters["blocks_stored"] += count

@@ -42,8 +42,7 @@ class Residency:
         """Cache new blocks. They join their policies once all of them are linked: each
         block of a chain enters its final group (interior, or leaf for the chain's tail)
         instead of entering as a leaf and moving when its child arrives."""
-        for entry in entries:
-            self.catalogue.insert(entry)
+        self.catalogue.insert_chain(entries)
         for entry in entries:
             self._policies[entry.tier].insert(entry)
 

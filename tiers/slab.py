@@ -11,6 +11,7 @@ Owner: the tier that holds the memory; not thread-safe.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -111,21 +112,32 @@ class SlabAllocator:
 
     # -- allocation -----------------------------------------------------------------
     def allocate(self, nbytes: int) -> Slot | None:
+        slots = self.allocate_many(nbytes, 1)
+        return slots[0] if slots else None
+
+    def allocate_many(self, nbytes: int, count: int) -> list[Slot]:
+        """Up to ``count`` slots (fewer when the slab is full): the ones ``count`` calls of
+        ``allocate`` would hand out, in that order, taken a page's worth at a time."""
         slot_bytes = self.slot_bytes_for(nbytes)
         size_class = self._classes.get(slot_bytes)
         if size_class is None:
             size_class = self._classes[slot_bytes] = _SizeClass(slot_bytes)
-        if not size_class.pages_with_room:
-            if not self._free_pages:
-                return None
-            self._carve(self._free_pages.pop(), size_class, used_offsets=())
-        page = next(iter(size_class.pages_with_room.values()))
-        offset = page.free_offsets.pop()
-        if not page.free_offsets:
-            del size_class.pages_with_room[page.index]
-        size_class.num_used += 1
-        self.used_bytes += slot_bytes
-        return Slot(offset, slot_bytes)
+        offsets: list[int] = []
+        while len(offsets) < count:
+            if not size_class.pages_with_room:
+                if not self._free_pages:
+                    break
+                self._carve(self._free_pages.pop(), size_class, used_offsets=())
+            page = next(iter(size_class.pages_with_room.values()))
+            free = page.free_offsets
+            start = max(0, len(free) - (count - len(offsets)))
+            offsets += free[: start - 1 if start else None : -1]  # from the end, as pop() would
+            del free[start:]
+            if not free:
+                del size_class.pages_with_room[page.index]
+        size_class.num_used += len(offsets)
+        self.used_bytes += len(offsets) * slot_bytes
+        return list(map(Slot, offsets, itertools.repeat(slot_bytes, len(offsets))))
 
     def free(self, slot: Slot) -> None:
         page = self._pages.get(self.page_of(slot.offset))

@@ -27,6 +27,7 @@ from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 
 BLOCK = 32
+MAX_MODEL_LEN = 4096  # every engine's max_model_len
 
 
 class Daemon(Protocol):
@@ -180,9 +181,8 @@ def start_servers(model: Path, workdir: Path, daemons: list[Daemon], roles: list
     for i, daemon in enumerate(daemons):
         extra = {"socket_path": str(daemon.socket)} | ({"handoff_timeout_s": 30} if roles[i] == "decode" else {})
         connector = {"name": "KVStoreConnector", "module": "kvstore.connectors.vllm", "role": _CONNECTOR_ROLES[roles[i]], "extra": extra}
-        plans.append(
-            ({"model": str(model), "block_size": BLOCK, "max_model_len": 4096, "connector": connector}, f"replica-{daemon.node_id}")
-        )
+        plan = {"model": str(model), "block_size": BLOCK, "max_model_len": MAX_MODEL_LEN, "connector": connector}
+        plans.append((plan, f"replica-{daemon.node_id}"))
     servers = start_in_parallel(plans, workdir, timeout_s=400)
     return [Replica(daemon, servers[i], roles[i]) for i, daemon in enumerate(daemons)]
 

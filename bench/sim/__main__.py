@@ -10,9 +10,10 @@ workload, several routing policies side by side.
 
 Prints a table per cache size, writes ``<workload>.json`` and PNG plots into --out, and
 with --json ends stdout with the benchmark contract's line. Ratios compare kvstore with
-the oracle and with the best baseline at the largest cache size run; their targets apply
-to the coding-agent workload, whose default capacity is meant to be adequate (the
-sessions' live context fits the fleet).
+the oracle, with the best baseline (highest hit rate) and, for the spread of hit rates
+across replicas, with the baseline of lowest spread, at the largest cache size run; the
+oracle's target applies to the coding-agent workload, whose default capacity is meant to
+be adequate (the sessions' live context fits the fleet).
 
 With ``--slo-ttft-p99 S`` it then searches, for each policy, the highest arrival rate
 (sessions per second) at which the modelled TTFT p99 stays within S seconds

@@ -24,6 +24,7 @@ that meets it at none reports 0. Every probe is kept, so a reader can see the cu
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -136,14 +137,14 @@ def find_capacity(run_at: Callable[[float], Probe], search: CapacitySearch, know
     return Capacity(low, high, tuple(probes[s] for s in sorted(probes)))
 
 
-class RateScaled:
+class RateScaled(abc.ABC):
     """A workload that can be run at any scale of its nominal arrival rate."""
 
     base_rate: float  # sessions per second at scale 1
-    unit: str = "sessions/s"
 
+    @abc.abstractmethod
     def at(self, scale: float) -> list[Request]:
-        raise NotImplementedError
+        """The workload's requests, in arrival order, at ``scale`` times its nominal rate."""
 
 
 class AgentsAtRate(RateScaled):

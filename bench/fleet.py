@@ -20,13 +20,21 @@ token hit rate per replica and its spread, requests per second. The prompt token
 token ids (a completion's prompt), so no tokenizer differs between the policies.
 
 Then, as the line users run today, the same workload round-robin over fresh plain vLLM
-replicas (their own prefix cache on, no kvstore), once the others are stopped. Not
-measured here (yet): the simulator's prediction of the same run. On a shared 2-core machine TTFT figures are noisy;
-`--quick` takes longer than a minute, because starting the replicas alone takes one or two.
+replicas (their own prefix cache on, no kvstore), once the others are stopped.
+
+Last, the routing simulator's prediction of the same runs (bench/fleet_sim.py: the same
+requests at the times they were sent, the cache sizes of the daemons' and engines'
+configuration, the speeds measured here): its hit rate and TTFT p50 against the measured
+ones, per policy; ``sim_hit_rate_error`` and ``sim_ttft_p50_error`` (|predicted −
+measured| ÷ measured) are the kvstore router's. On a shared 2-core machine TTFT figures
+are noisy; `--quick` takes longer than a minute, because starting the replicas alone takes
+one or two.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 import statistics
 import tempfile
@@ -38,13 +46,16 @@ from pathlib import Path
 import httpx
 import xxhash
 
+from bench.fleet_sim import FleetSetup, SentRequest, copy_bytes_per_s, fleet_setup, predict
 from bench.redis_server import RedisServer, find_redis_server
 from bench.report import Report, parse_args
-from bench.router_fleet import BLOCK, Replica, start_in_parallel, start_router, start_servers
-from bench.vllm_engine import build_model
+from bench.router_fleet import BLOCK, MAX_MODEL_LEN, Replica, start_in_parallel, start_router, start_servers
+from bench.vllm_engine import ENGINE_ENV, build_model
 from kvstore.spawn import spawn_daemon
 
 MiB = 1024**2
+GiB = 1024**3
+HOST_CAPACITY_BYTES = 256 * MiB  # each daemon's host tier
 
 
 @dataclass
@@ -65,23 +76,15 @@ class Shape:
     think_s: float
 
 
-@dataclass
-class Sample:
-    replica: str
-    ttft_s: float
-    prompt_tokens: int
-    cached_tokens: int
-
-
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(2, 1000) for _ in range(n)]
 
 
-def run_policy(name: str, shape: Shape, seed: int, model: str, replicas: list[Replica], router_url: str) -> tuple[list[Sample], float]:
+def run_policy(name: str, shape: Shape, seed: int, model: str, replicas: list[Replica], router_url: str) -> tuple[list[SentRequest], float]:
     rng = random.Random(seed)
     shared = _tokens(rng, shape.shared_tokens)
     contexts = [shared + _tokens(rng, shape.context_tokens) for _ in range(shape.sessions)]
-    samples: list[Sample] = []
+    samples: list[SentRequest] = []
     lock = threading.Lock()
     counter = iter(range(10**9))
 
@@ -113,6 +116,7 @@ def run_policy(name: str, shape: Shape, seed: int, model: str, replicas: list[Re
                 request = {"model": model, "prompt": prompt, "max_tokens": shape.answer_tokens, "temperature": 0.0, "ignore_eos": True}
                 request |= {"stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
                 started = time.monotonic()
+                sent_s = started - run_started
                 first, usage, answer = None, {}, []
                 headers = {"x-session-id": f"{seed}-{session}"}
                 with client.stream("POST", f"{url}/v1/completions", json=request, headers=headers) as response:
@@ -128,12 +132,16 @@ def run_policy(name: str, shape: Shape, seed: int, model: str, replicas: list[Re
                         for choice in event.get("choices", []):
                             answer += choice.get("token_ids") or []
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                sample = SentRequest(
+                    f"{seed}-{session}", sent_s, tuple(prompt), shape.answer_tokens, node_id, first or 0.0,
+                    usage.get("prompt_tokens", len(prompt)), cached,
+                )  # fmt: skip
                 with lock:
-                    samples.append(Sample(node_id, first or 0.0, usage.get("prompt_tokens", len(prompt)), cached))
+                    samples.append(sample)
                 prompt = prompt + answer + _tokens(session_rng, shape.user_tokens)
                 time.sleep(shape.think_s)
 
-    started = time.monotonic()
+    run_started = time.monotonic()
     threads = [threading.Thread(target=one_session, args=(s,)) for s in range(shape.sessions)]
     for thread in threads:
         thread.start()
@@ -141,10 +149,10 @@ def run_policy(name: str, shape: Shape, seed: int, model: str, replicas: list[Re
         thread.join()
     if errors:
         raise errors[0]
-    return samples, time.monotonic() - started
+    return samples, time.monotonic() - run_started
 
 
-def summarize(name: str, samples: list[Sample], seconds: float, replica_ids: list[str]) -> dict:
+def summarize(name: str, samples: list[SentRequest], seconds: float, replica_ids: list[str]) -> dict:
     ttft = sorted(s.ttft_s for s in samples)
     rates = []
     for node_id in replica_ids:
@@ -170,7 +178,7 @@ def summarize(name: str, samples: list[Sample], seconds: float, replica_ids: lis
 
 def start_plain_servers(model: Path, workdir: Path, num_replicas: int) -> list[Replica]:
     """vLLM OpenAI servers as users run them today: their own prefix cache, no kvstore."""
-    plan = {"model": str(model), "block_size": BLOCK, "max_model_len": 4096, "connector": None, "prefix_caching": True}
+    plan = {"model": str(model), "block_size": BLOCK, "max_model_len": MAX_MODEL_LEN, "connector": None, "prefix_caching": True}
     servers = start_in_parallel([(plan, f"plain-{i}") for i in range(num_replicas)], workdir, timeout_s=600)
     return [Replica(_Daemon(f"plain-{i}", Path(), None), server) for i, server in enumerate(servers)]
 
@@ -209,6 +217,45 @@ def calibrate(model: str, replicas: list[Replica], shape: Shape) -> dict:
     return {"prefill_tokens_per_s": statistics.median(prefill), "decode_s_per_request": statistics.median(decode)}
 
 
+def report_prediction(report: Report, setups: dict[str, FleetSetup], measured: dict[str, list[SentRequest]]) -> None:
+    """The simulator's hit rate and TTFT p50 for each policy's run (on the fleet of
+    ``setups[policy]``) beside the measured ones; the kvstore router's errors become the
+    JSON's ``sim_*_error`` ratios."""
+    rows = []
+    for name, samples in measured.items():
+        prediction, _ = predict(name, setups[name], samples, replay=name != "kvstore")
+        rows.append(
+            [
+                name,
+                prediction.measured_hit_rate,
+                prediction.predicted_hit_rate,
+                prediction.hit_rate_error,
+                prediction.measured_ttft_p50_s,
+                prediction.predicted_ttft_p50_s,
+                prediction.ttft_p50_error,
+            ]
+        )
+        report.results.append({"sim_prediction": name} | {k: getattr(prediction, k) for k in prediction.__dataclass_fields__})
+        if name == "kvstore":
+            report.ratio("sim_hit_rate_error", prediction.hit_rate_error, "<= 0.15")
+            report.figures["sim_hit_rate_error"] = {
+                "numerator": round(prediction.predicted_hit_rate, 6),
+                "denominator": round(prediction.measured_hit_rate, 6),
+                "unit": "token hit rate, simulated vs measured (the ratio is |a - b| / b)",
+            }
+            report.ratio("sim_ttft_p50_error", prediction.ttft_p50_error)
+            report.figures["sim_ttft_p50_error"] = {
+                "numerator": round(prediction.predicted_ttft_p50_s, 6),
+                "denominator": round(prediction.measured_ttft_p50_s, 6),
+                "unit": "s TTFT p50, simulated vs measured (the ratio is |a - b| / b)",
+            }
+    report.print_table(
+        "the simulator's prediction of the same runs (bench/fleet_sim.py; round-robin and session hash replayed where they went)",
+        ["policy", "hit rate", "simulated", "error", "TTFT p50 s", "simulated", "error"],
+        rows,
+    )
+
+
 def main() -> None:
     def extra(parser) -> None:
         parser.add_argument("--replicas", type=int, default=2)
@@ -244,7 +291,7 @@ def main() -> None:
                 "server.metrics_port": -1,
                 "server.node_id": f"replica-{i}",
                 "index.backend": redis.url,
-                "host.capacity_bytes": 256 * MiB,
+                "host.capacity_bytes": HOST_CAPACITY_BYTES,
                 "host.name": f"kvstore-bench-fleet-{i}-{workdir.name}",
                 "nvme.enabled": "false",
             }
@@ -254,14 +301,27 @@ def main() -> None:
         replicas = start_servers(model, workdir, daemons)
         print(f"{len(replicas)} replicas up in {time.monotonic() - started:.0f} s")
         routing = calibrate(str(model), replicas, shape)
+        host_bytes_per_s = copy_bytes_per_s()
         print(
             f"measured: prefill {routing['prefill_tokens_per_s']:,.0f} tokens/s, "
-            f"a decode step {routing['decode_s_per_request'] * 1000:.0f} ms"
+            f"a decode step {routing['decode_s_per_request'] * 1000:.0f} ms, a host copy {host_bytes_per_s / 1e9:.1f} GB/s"
+        )
+        setup = fleet_setup(
+            json.loads((model / "config.json").read_text()),
+            str(model),
+            [r.node_id for r in replicas],
+            BLOCK,
+            HOST_CAPACITY_BYTES,
+            MAX_MODEL_LEN,
+            prefix_caching=False,
+            engine_kv_cache_bytes=int(float(ENGINE_ENV["VLLM_CPU_KVCACHE_SPACE"]) * GiB),
+            measured=routing | {"host_bytes_per_s": host_bytes_per_s},
         )
         router = start_router(workdir, "router", model, redis.url, replicas, routing=routing)
-        summaries = {}
+        summaries, measured = {}, {}
         for seed, name in enumerate(("round_robin", "session_hash", "kvstore"), start=1):
             samples, seconds = run_policy(name, shape, seed, str(model), replicas, router.url)
+            measured[name] = samples
             summaries[name] = summarize(name, samples, seconds, [r.node_id for r in replicas])
             if name == "kvstore":
                 summaries[name]["decisions"] = decisions_of(router.metrics())
@@ -273,6 +333,7 @@ def main() -> None:
         replicas = start_plain_servers(model, workdir, args.replicas)
         calibrate(str(model), replicas, shape)  # the same first requests as the others had
         samples, seconds = run_policy("plain_vllm_round_robin", shape, 4, str(model), replicas, "")
+        measured["plain_vllm_round_robin"] = samples
         summaries["plain_vllm_round_robin"] = summarize("plain_vllm_round_robin", samples, seconds, [r.node_id for r in replicas])
         report.results.append(summaries["plain_vllm_round_robin"] | {"shape": shape.__dict__, "model": args.size})
         columns = ["policy", "requests", "ttft_p50_s", "ttft_p99_s", "prefill_tokens_per_request", "hit_rate", "hit_rate_cv"]
@@ -292,6 +353,9 @@ def main() -> None:
         report.ratio("prefill_tokens_vs_plain_vllm", ours["prefill_tokens_per_request"] / plain["prefill_tokens_per_request"])
         report.ratio("ttft_p50_vs_plain_vllm", ours["ttft_p50_s"] / plain["ttft_p50_s"])
         print(f"kvstore router's decisions: {ours['decisions']}")
+        # the plain replicas: the engine's own prefix cache is the cache, no daemon
+        plain_setup = dataclasses.replace(setup, replica_ids=tuple(r.node_id for r in replicas), host_capacity_bytes=0, prefix_caching=True)
+        report_prediction(report, {name: setup for name in measured} | {"plain_vllm_round_robin": plain_setup}, measured)
     finally:
         if router is not None:
             router.stop()

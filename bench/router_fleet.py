@@ -28,6 +28,7 @@ from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 
 BLOCK = 32
+MAX_MODEL_LEN = 4096  # every engine's max_model_len
 
 
 class Daemon(Protocol):
@@ -209,7 +210,7 @@ def start_servers(
     for i, daemon in enumerate(daemons):
         extra = {"socket_path": str(daemon.socket)} | ({"handoff_timeout_s": 30} if roles[i] == "decode" else {})
         connector = {"name": "KVStoreConnector", "module": "kvstore.connectors.vllm", "role": _CONNECTOR_ROLES[roles[i]], "extra": extra}
-        plan: dict = {"model": str(model), "block_size": BLOCK, "max_model_len": 4096, "connector": connector}
+        plan: dict = {"model": str(model), "block_size": BLOCK, "max_model_len": MAX_MODEL_LEN, "connector": connector}
         if kv_events is not None:
             plan |= {"prefix_caching": True, "kv_events": dataclasses.asdict(kv_events[i])}
         plans.append((plan, f"replica-{daemon.node_id}"))

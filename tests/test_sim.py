@@ -15,16 +15,21 @@ token. Hence:
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
 
 import pytest
 
+from bench.sim import __main__ as sim_cli
+from bench.sim import policies
 from bench.sim.agents import CodingAgentConfig, CodingAgentWorkload, LogNormal
+from bench.sim.capacity import AgentsAtRate, CapacitySearch, Probe, TraceAtRate, find_capacity, policy_capacity
 from bench.sim.engine import SimConfig, simulate
 from bench.sim.models import PRESETS, ModelPreset
 from bench.sim.policies import POLICIES, make_policy
 from bench.sim.replica import TierSizes, build_manager
 from bench.sim.report import summarize
-from bench.sim.traces import oracle_hit_rate, oracle_hit_tokens
+from bench.sim.traces import oracle_hit_rate, oracle_hit_tokens, shared_trace
 from bench.sim.workload import Request
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import hash_block
@@ -267,3 +272,121 @@ def test_every_policy_serves_every_request_once(agent_requests, policy):
     assert [o.index for o in result.outcomes] == list(range(len(agent_requests)))
     assert all(o.arrival_s <= o.start_s <= o.first_token_s <= o.done_s for o in result.outcomes)
     assert all(0 <= o.num_computed_tokens <= o.num_prompt_tokens for o in result.outcomes)
+
+
+@pytest.mark.parametrize("policy", ["session-hash", "longest-prefix", "dynamo"])
+def test_cache_aware_baselines_on_kvstore_fetch_from_peers_as_its_router_does(agent_requests, policy):
+    fetched = {}
+    for name in (policy, next(n for n in POLICIES if n.startswith(policy + "+"))):
+        result = simulate(agent_requests, make_policy(name, 3, TINY.cost_model()), SimConfig(TINY, ROOMY, num_replicas=3))
+        fetched[name] = sum(o.hit_blocks[3] for o in result.outcomes)
+    assert list(fetched.values())[0] == 0 < list(fetched.values())[1], fetched
+
+
+def test_the_load_aware_llmd_profile_weighs_kvstores_queue_term(agent_requests, monkeypatch):
+    queues = []
+    original = policies.queue_s
+
+    def spy(replica, now, speeds):
+        queues.append(original(replica, now, speeds))
+        return queues[-1]
+
+    monkeypatch.setattr(policies, "queue_s", spy)
+    speeds = dataclasses.replace(TINY.cost_model(), decode_s_per_request=0.05)
+    result = simulate(agent_requests, make_policy("longest-prefix+load+fetch", 3, speeds), SimConfig(TINY, ROOMY, num_replicas=3))
+    assert len(queues) == 3 * len(agent_requests) and max(queues) > 0
+    assert result.policy == "longest-prefix+load+fetch"
+
+
+# --- capacity at an SLO ----------------------------------------------------------------------
+
+STRICT = CapacitySearch(slo_ttft_p99_s=3.3, resolution=0.02)
+
+
+def test_the_search_brackets_then_bisects_to_the_resolution():
+    calls = []
+
+    def p99(scale):  # TTFT p99 equal to the scale: the capacity is the SLO itself
+        calls.append(scale)
+        return Probe(scale, scale, 0.0)
+
+    capacity = find_capacity(p99, STRICT)
+    assert 3.3 / 1.02 <= capacity.scale <= 3.3 < capacity.failing_scale <= capacity.scale * 1.02
+    assert calls[:3] == [1.0, 2.0, 4.0]  # doubling until the SLO is missed
+    assert len(calls) == len(set(calls)) == len(capacity.probes)  # no scale run twice
+    known = find_capacity(p99, STRICT, known=[Probe(1.0, 1.0, 0.0)])
+    assert known == capacity and calls.count(1.0) == 1  # a known probe is not run again
+
+
+def test_the_search_reports_a_lower_bound_or_nothing_where_it_finds_no_bracket():
+    search = CapacitySearch(slo_ttft_p99_s=10.0, max_steps=3)
+    always = find_capacity(lambda scale: Probe(scale, 0.0, 0.0), search)
+    assert always.scale == 8.0 and always.failing_scale is None
+    never = find_capacity(lambda scale: Probe(scale, 99.0, 0.0), search)
+    assert never.scale == 0.0 and never.failing_scale == 1 / 8 and never.at_capacity is None
+    with pytest.raises(InvalidArgument):
+        CapacitySearch(slo_ttft_p99_s=0.0)
+
+
+def lone_prompts(num_requests: int, rate_per_s: float) -> list[Request]:
+    """Evenly spaced 10-block prompts of one turn each that share no block."""
+    return [Request(k / rate_per_s, f"s{k}", tuple(hash_block(None, [k, b]) for b in range(10)), 40, 1, BLOCK) for k in range(num_requests)]
+
+
+def test_capacity_of_one_replica_is_the_rate_its_queue_allows():
+    # Each prompt is a 0.048 s prefill. Arriving every 1/r s with r > 1/0.048, request k
+    # waits k × (0.048 − 1/r), so TTFT p99 (numpy's, over 101 requests: the 100th) is
+    # 0.048 + 99 × (0.048 − 1/r). An SLO of 0.048 + 99 × 0.008 s is met up to
+    # 1/r = 0.040: 25 requests/s, scale 2.5 of the 10/s the workload is written at.
+    trace = TraceAtRate(lone_prompts(101, 10.0))
+    search = CapacitySearch(slo_ttft_p99_s=0.048 + 99 * 0.008, resolution=0.02)
+    capacity = policy_capacity(trace, "round-robin", SimConfig(TINY, ROOMY, 1), TINY.cost_model(), search)
+    assert 2.5 / 1.02 <= capacity.scale <= 2.5 < capacity.failing_scale <= capacity.scale * 1.02
+    assert trace.base_rate == pytest.approx(101 / 10)
+    assert capacity.at_capacity.ttft_p99_s <= search.slo_ttft_p99_s
+
+
+def test_capacity_grows_with_the_slo_and_latency_with_the_rate():
+    trace = TraceAtRate(lone_prompts(101, 10.0))
+    config = SimConfig(TINY, ROOMY, 2)
+    capacities = [
+        policy_capacity(trace, "round-robin", config, TINY.cost_model(), CapacitySearch(slo, resolution=0.05)).scale for slo in (0.2, 1.0)
+    ]
+    assert capacities == sorted(capacities) and capacities[0] < capacities[-1]
+    probes = policy_capacity(trace, "kvstore", config, TINY.cost_model(), CapacitySearch(0.5, resolution=0.05)).probes
+    p99s = [p.ttft_p99_s for p in probes]  # by scale
+    assert p99s == sorted(p99s)
+
+
+def test_agents_at_a_rate_are_the_same_sessions_arriving_faster():
+    agents = AgentsAtRate(SMALL_AGENTS)
+    nominal, doubled = agents.at(1.0), agents.at(2.0)
+    assert nominal == list(CodingAgentWorkload(SMALL_AGENTS).requests())
+    assert agents.base_rate == SMALL_AGENTS.session_rate_per_s
+    assert len({r.session_id for r in doubled}) == 2 * SMALL_AGENTS.num_sessions
+    starts = {r.session_id: r.arrival_s for r in reversed(nominal)}  # every session's first turn
+    starts_doubled = {r.session_id: r.arrival_s for r in reversed(doubled)}
+    assert all(starts_doubled[s] == pytest.approx(starts[s] / 2) for s in starts)
+    for session in starts:  # and the same turns
+        assert [r.block_hashes for r in nominal if r.session_id == session] == [r.block_hashes for r in doubled if r.session_id == session]
+
+
+def test_the_cli_searches_capacity_on_a_trace(tmp_path, monkeypatch, capsys):
+    trace = shared_trace()
+    if trace is None:
+        pytest.skip("the Mooncake synthetic trace (shared/traces) is not on this machine")
+    argv = ["bench.sim", "--trace", str(trace), "--max-requests", "30", "--replicas", "2", "--policies", "round-robin,kvstore"]
+    argv += ["--slo-ttft-p99", "5", "--capacity-resolution", "0.1", "--json", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    sim_cli.main()
+    out = capsys.readouterr().out
+    document = json.loads(out.strip().splitlines()[-1])
+    figures = document["figures"]["capacity_kvstore_vs_round_robin"]
+    assert figures["unit"] == "sessions/s at modelled TTFT p99 <= 5 s"
+    assert document["ratios"]["capacity_kvstore_vs_round_robin"] == pytest.approx(figures["numerator"] / figures["denominator"], rel=1e-3)
+    searched = {r["capacity_policy"]: r for r in document["results"] if "capacity_policy" in r}
+    assert set(searched) == {"round-robin", "kvstore"}
+    for result in searched.values():
+        passing = [p for p in result["probes"] if p["ttft_p99_s"] <= 5]
+        assert max(p["sessions_per_s"] for p in passing) == result["capacity_sessions_per_s"]
+    assert "capacity at TTFT p99 <= 5 s" in out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -12,7 +11,15 @@ import numpy as np
 import pytest
 
 from bench.sim.agents import PRESETS, AgentVariant, CodingAgentConfig, CodingAgentWorkload, LogNormal
-from bench.sim.traces import TraceFormat, TraceFormatError, oracle_hit_rate, oracle_hit_tokens, parse_trace_lines, read_trace
+from bench.sim.traces import (
+    TraceFormat,
+    TraceFormatError,
+    oracle_hit_rate,
+    oracle_hit_tokens,
+    parse_trace_lines,
+    read_trace,
+    shared_trace,
+)
 from bench.sim.workload import Request
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import BlockHash, hash_block
@@ -142,14 +149,10 @@ def test_trace_file_errors_name_the_file(tmp_path):
 
 
 def _synthetic_trace() -> Path:
-    here = Path(__file__).resolve().parents[1]
-    candidates = [here / "shared/traces", here.parent / "shared/traces"]
-    if "KVSTORE_TRACES" in os.environ:
-        candidates.insert(0, Path(os.environ["KVSTORE_TRACES"]))
-    for folder in candidates:
-        if (folder / "mooncake_synthetic_trace.jsonl").is_file():
-            return folder / "mooncake_synthetic_trace.jsonl"
-    pytest.skip("the Mooncake synthetic trace (shared/traces) is not on this machine")
+    path = shared_trace()
+    if path is None:
+        pytest.skip("the Mooncake synthetic trace (shared/traces) is not on this machine")
+    return path
 
 
 def test_mooncake_synthetic_trace_matches_its_published_figures():

@@ -5,20 +5,28 @@ workload, several routing policies side by side.
                         [--model kimi-k2|llama3-70b] [--cache-gb-per-replica GB]
                         [--tier-split HBM,HOST,NVME] [--policies a,b,...]
                         [--eviction leaf-first-lru|lru] [--sweep 20,40,60,80,100]
+                        [--slo-ttft-p99 S [--capacity-resolution F]]
                         [--quick] [--json] [--out DIR]
 
 Prints a table per cache size, writes ``<workload>.json`` and PNG plots into --out, and
 with --json ends stdout with the benchmark contract's line. Ratios compare kvstore with
-the oracle and with the best baseline at the largest cache size run; their targets apply
-to the coding-agent workload, whose default capacity is meant to be adequate (the
-sessions' live context fits the fleet).
+the oracle, with the best baseline (highest hit rate) and, for the spread of hit rates
+across replicas, with the baseline of lowest spread, at the largest cache size run; the
+oracle's target applies to the coding-agent workload, whose default capacity is meant to
+be adequate (the sessions' live context fits the fleet).
+
+With ``--slo-ttft-p99 S`` it then searches, for each policy, the highest arrival rate
+(sessions per second) at which the modelled TTFT p99 stays within S seconds
+(bench/sim/capacity.py: how the rate is scaled, how the search brackets and bisects), and
+prints it beside round-robin's; the JSON line gets ``capacity_<policy>_vs_round_robin``
+and ``capacity_kvstore_vs_best_baseline`` with both rates beside each ratio. Modelled
+figures: no targets.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from pathlib import Path
 
@@ -27,17 +35,18 @@ import numpy as np
 from bench.report import Report, parse_args
 from bench.sim.agents import PRESETS as AGENT_PRESETS
 from bench.sim.agents import CodingAgentWorkload
+from bench.sim.capacity import AgentsAtRate, CapacitySearch, Probe, RateScaled, TraceAtRate, policy_capacity, report_capacities
 from bench.sim.engine import SimConfig, simulate
 from bench.sim.models import PRESETS as MODEL_PRESETS
 from bench.sim.models import preset
 from bench.sim.policies import POLICIES, make_policy
 from bench.sim.replica import TierSizes
 from bench.sim.report import add_ratios, plot, print_summaries, summarize, write_json
-from bench.sim.traces import oracle_hit_tokens, read_trace
+from bench.sim.traces import MOONCAKE_TRACE, oracle_hit_tokens, read_trace, shared_trace, trace_folders
 from bench.sim.workload import Request
+from kvstore.errors import InvalidArgument
 from kvstore.tiers.eviction import POLICIES as EVICTION_POLICIES
 
-MOONCAKE_TRACE = "mooncake_synthetic_trace.jsonl"
 QUICK_TRACE_REQUESTS = 1000  # the first ~4 minutes of the Mooncake trace
 # Default capacity per replica: the coding-agent preset keeps ~8M tokens of live context
 # (agents.py), ~560 GB of Kimi K2 KV over the fleet, ~70 GB a replica before the shared
@@ -77,12 +86,18 @@ def _options(parser: argparse.ArgumentParser) -> None:
         "lets decode delay a prefill, but a real replica's iterations slow with its batch; without any such term the "
         "router piles new sessions onto the replicas that already hold their agent's system prompt)",
     )  # fmt: skip
+    parser.add_argument(
+        "--slo-ttft-p99", type=float, help="also search each policy's capacity: the highest rate whose TTFT p99 is within this many seconds"
+    )
+    parser.add_argument(
+        "--capacity-resolution", type=float, help="the search's resolution, a fraction of the rate (default 0.02; 0.05 with --quick)"
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/out/sim"), help="folder for the JSON file and plots")
 
 
 def main() -> None:
     args = parse_args(__doc__.split("\n\n")[0], _options)
-    workload, requests = _workload(args)
+    workload, requests, scalable = _workload(args)
     fractions = _floats(args.tier_split, "--tier-split")
     if len(fractions) != 3 or any(f < 0 for f in fractions) or abs(sum(fractions) - 1) > 1e-6:
         sys.exit("--tier-split needs three fractions (HBM, host, NVMe) that add up to 1, e.g. 0.25,0.25,0.5.")
@@ -92,6 +107,15 @@ def main() -> None:
         sys.exit(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}.")
     default_gb = DEFAULT_CACHE_GB["coding-agent" if workload == "coding-agent" else "trace"]
     sizes = _floats(args.sweep, "--sweep") if args.sweep else [args.cache_gb_per_replica or default_gb]
+    search = None
+    if args.slo_ttft_p99 is not None:
+        if args.sweep:
+            sys.exit("--slo-ttft-p99 searches at one cache size; drop --sweep or run once per size.")
+        resolution = args.capacity_resolution or (0.05 if args.quick else 0.02)
+        try:
+            search = CapacitySearch(args.slo_ttft_p99, resolution)
+        except InvalidArgument as error:
+            sys.exit(str(error))
     model = preset(args.model)
     speeds = dataclasses.replace(
         model.cost_model(remote_fetch=not args.no_remote_fetch), decode_s_per_request=args.kvstore_decode_s_per_request
@@ -126,6 +150,13 @@ def main() -> None:
         print_summaries(report, f"{workload}, {model.name}, {size:g} GB/replica", at_size)
         summaries.extend(at_size)
     add_ratios(report, summaries, oracle_target=workload == "coding-agent")
+    if search is not None:
+        capacities = {}
+        for s in summaries:  # one size: the nominal run is the search's probe at scale 1
+            nominal = Probe(1.0, s.ttft_p99_s, s.hit_rate)
+            capacities[s.policy] = policy_capacity(scalable, s.policy, config, speeds, search, known=[nominal])
+            print(f"  searched {s.policy}'s capacity in {len(capacities[s.policy].probes)} runs", flush=True)
+        report_capacities(report, capacities, scalable, search)
     for s in summaries:
         report.results.append(
             {
@@ -153,7 +184,10 @@ def main() -> None:
     report.emit(args.json)
 
 
-def _workload(args: argparse.Namespace) -> tuple[str, list[Request]]:
+def _workload(args: argparse.Namespace) -> tuple[str, list[Request], RateScaled | None]:
+    """The workload's name, its requests, and the same workload at any rate (for the
+    capacity search; None without --slo-ttft-p99)."""
+    agents = None
     if args.trace is not None or args.workload == "mooncake":
         path = args.trace or _shared_trace()
         requests = read_trace(path)
@@ -165,6 +199,7 @@ def _workload(args: argparse.Namespace) -> tuple[str, list[Request]]:
         config = dataclasses.replace(AGENT_PRESETS[agent_preset], seed=args.seed)
         requests = list(CodingAgentWorkload(config).requests())
         name = "coding-agent"
+        agents = AgentsAtRate(config)
     if args.max_requests is not None:
         requests = requests[: args.max_requests]
     if args.load_scale != 1.0:
@@ -173,18 +208,20 @@ def _workload(args: argparse.Namespace) -> tuple[str, list[Request]]:
         requests = [dataclasses.replace(r, arrival_s=r.arrival_s / args.load_scale) for r in requests]
     if not requests:
         sys.exit("the workload has no requests.")
-    return name, requests
+    if args.slo_ttft_p99 is None:
+        return name, requests, None
+    if agents is None:
+        return name, requests, TraceAtRate(requests)
+    if args.max_requests is not None or args.load_scale != 1.0:
+        sys.exit("--slo-ttft-p99 on the coding-agent workload scales its session rate itself; drop --max-requests and --load-scale.")
+    return name, requests, agents
 
 
 def _shared_trace() -> Path:
-    root = Path(__file__).resolve().parents[2]
-    folders = [root / "shared/traces", root.parent / "shared/traces"]
-    if "KVSTORE_TRACES" in os.environ:
-        folders.insert(0, Path(os.environ["KVSTORE_TRACES"]))
-    for folder in folders:
-        if (folder / MOONCAKE_TRACE).is_file():
-            return folder / MOONCAKE_TRACE
-    sys.exit(f"{MOONCAKE_TRACE} is in none of {', '.join(map(str, folders))}; pass --trace PATH or set KVSTORE_TRACES.")
+    path = shared_trace(MOONCAKE_TRACE)
+    if path is None:
+        sys.exit(f"{MOONCAKE_TRACE} is in none of {', '.join(map(str, trace_folders()))}; pass --trace PATH or set KVSTORE_TRACES.")
+    return path
 
 
 def _floats(text: str, flag: str) -> list[float]:

@@ -9,8 +9,8 @@
   ``LongestPrefixScorer``): score = Σ over the blocks of the longest prefix a replica holds
   of the weight of the tier each is in — llm-d's defaults are gpu 1.0, cpu 0.8; it has no
   default for disk (an unknown medium weighs 1.0), NVMe is given 0.5 here. Highest score
-  wins; ties go to the least loaded. Deployed llm-d adds load scorers to this one; the
-  baseline is the prefix scorer alone, as asked.
+  wins; ties go to the least loaded. The prefix scorer alone, as llm-d's precise scorer
+  runs by itself.
 - ``dynamo``: Dynamo's KV router cost, ``overlap_score_weight × prefill_blocks +
   decode_blocks``, lowest wins (router temperature 0): prefill_blocks = the replica's
   prompt tokens still to prefill plus this prompt's uncached tokens, in blocks;
@@ -20,6 +20,20 @@
   cost of each replica (queue + load + prefill seconds) with session affinity kept in a
   dict with a TTL, margins and TTL from `RoutingConfig`'s defaults. Its replicas fetch
   blocks from peers when that beats recomputing them (kvstore's transport).
+
+The same cache-aware baselines on a fleet that runs kvstore, with what kvstore's router
+gets (so that a comparison isolates the routing rule, not the fleet under it):
+
+- ``session-hash+fetch``, ``dynamo+fetch``: their replicas fetch from peers as kvstore's
+  do (the replica's rule, `scoring.estimate`: only when that beats recomputing). Dynamo's
+  cost already has its load terms — the prefill queued on a replica and its active
+  blocks, the same two quantities as kvstore's queue term; consistent hashing has none by
+  design.
+- ``longest-prefix+load+fetch``: llm-d's deployed scheduling profile, prefix-cache scorer
+  (weight 3) plus queue scorer (weight 2), each min-max normalised over the replicas as
+  llm-d's scheduler normalises scorers, the queue being kvstore's own load term for the
+  replica (`scoring.estimate`'s ``queue_s``: its queued prefill tokens at the prefill rate
+  plus its decoding requests at ``decode_s_per_request``); its replicas fetch from peers.
 
 The prefix-aware policies read block locations from one `BlockLocations` index that the
 replicas' own tier-manager events feed (engine.py), as llm-d's and Dynamo's indexers are
@@ -45,10 +59,23 @@ from kvstore.index.base import SessionAffinity
 from kvstore.index.locations import BlockLocations
 from kvstore.tier_kind import TierKind
 
-__all__ = ["Fleet", "RoutingPolicy", "POLICIES", "make_policy", "VIRTUAL_NODES", "LLMD_TIER_WEIGHTS", "DYNAMO_OVERLAP_WEIGHT"]
+__all__ = [
+    "Fleet",
+    "RoutingPolicy",
+    "POLICIES",
+    "make_policy",
+    "VIRTUAL_NODES",
+    "LLMD_TIER_WEIGHTS",
+    "LLMD_PREFIX_WEIGHT",
+    "LLMD_QUEUE_WEIGHT",
+    "DYNAMO_OVERLAP_WEIGHT",
+    "queue_s",
+]
 
 VIRTUAL_NODES = 160  # ketama's customary count: a replica's share is within a few % of 1/N
 LLMD_TIER_WEIGHTS = {TierKind.GPU: 1.0, TierKind.HBM: 1.0, TierKind.HOST: 0.8, TierKind.NVME: 0.5}
+# llm-d's default scheduling profile: prefix-cache scorer weight 3, queue scorer weight 2
+LLMD_PREFIX_WEIGHT, LLMD_QUEUE_WEIGHT = 3.0, 2.0
 DYNAMO_OVERLAP_WEIGHT = 1.0
 
 
@@ -88,6 +115,26 @@ class _Rotation:
         return chosen
 
 
+def _candidate(replica: Replica, now: float) -> scoring.Candidate:
+    """A replica's load as kvstore's router sees it."""
+    return scoring.Candidate(replica.node_id, replica.queued_new_tokens(now), replica.num_decoding)
+
+
+def queue_s(replica: Replica, now: float, speeds: scoring.CostModel) -> float:
+    """kvstore's router's load term for ``replica``: the production `scoring.estimate`'s
+    queue seconds (an empty prompt, so nothing else is in it)."""
+    return scoring.estimate(_candidate(replica, now), None, 0, 1, 0, speeds).queue_s
+
+
+def _min_max(values: Sequence[float]) -> list[float]:
+    """Scores scaled to [0, 1] over the replicas, as llm-d's scheduler scales each scorer's
+    (all equal: 0 for all, so the scorer adds the same to every replica)."""
+    low, high = min(values), max(values)
+    if high == low:
+        return [0.0] * len(values)
+    return [(value - low) / (high - low) for value in values]
+
+
 class RoundRobin(RoutingPolicy):
     name = "round-robin"
 
@@ -113,12 +160,15 @@ class LeastLoaded(RoutingPolicy):
 class SessionHash(RoutingPolicy):
     name = "session-hash"
 
-    def __init__(self, num_replicas: int, virtual_nodes: int = VIRTUAL_NODES) -> None:
+    def __init__(self, num_replicas: int, virtual_nodes: int = VIRTUAL_NODES, remote_fetch: bool = False) -> None:
         ring = sorted(
             (xxhash.xxh3_64_intdigest(f"{node_id(k)}#{v}".encode()), k) for k in range(num_replicas) for v in range(virtual_nodes)
         )
         self._points = [point for point, _ in ring]
         self._owners = [owner for _, owner in ring]
+        self.remote_fetch = remote_fetch
+        if remote_fetch:
+            self.name = "session-hash+fetch"
 
     def choose(self, request: Request, fleet: Fleet, now: float) -> int:
         position = bisect.bisect(self._points, xxhash.xxh3_64_intdigest(request.session_id.encode()))
@@ -126,28 +176,48 @@ class SessionHash(RoutingPolicy):
 
 
 class LongestPrefix(RoutingPolicy):
+    """llm-d's prefix scorer; with ``speeds``, also its queue scorer over kvstore's load
+    term, weighted as llm-d's default profile weighs the two."""
+
     name = "longest-prefix"
     uses_index = True
 
-    def __init__(self, tier_weights: dict[TierKind, float] = LLMD_TIER_WEIGHTS) -> None:
+    def __init__(
+        self,
+        tier_weights: dict[TierKind, float] = LLMD_TIER_WEIGHTS,
+        speeds: scoring.CostModel | None = None,
+        remote_fetch: bool = False,
+    ) -> None:
         self._weights = tier_weights
+        self._speeds = speeds
         self._rotation = _Rotation()
+        self.remote_fetch = remote_fetch
+        self.name = "longest-prefix" + ("+load" if speeds is not None else "") + ("+fetch" if remote_fetch else "")
 
     def choose(self, request: Request, fleet: Fleet, now: float) -> int:
-        scores = dict.fromkeys(range(len(fleet.replicas)), 0.0)
+        scores = [0.0] * len(fleet.replicas)
         for match in _matches(request, fleet):
             counts = collections.Counter(match.tiers)  # in C: a match is hundreds of blocks
             scores[replica_index(match.node_id)] = sum(count * self._weights[tier] for tier, count in counts.items())
-        return self._rotation.pick([(-scores[k], replica.num_outstanding) for k, replica in enumerate(fleet.replicas)])
+        if self._speeds is None:
+            return self._rotation.pick([(-scores[k], replica.num_outstanding) for k, replica in enumerate(fleet.replicas)])
+        queues = [queue_s(replica, now, self._speeds) for replica in fleet.replicas]
+        combined = [
+            LLMD_PREFIX_WEIGHT * prefix + LLMD_QUEUE_WEIGHT * (1.0 - queue) for prefix, queue in zip(_min_max(scores), _min_max(queues))
+        ]
+        return self._rotation.pick([(-score, replica.num_outstanding) for score, replica in zip(combined, fleet.replicas)])
 
 
 class DynamoCost(RoutingPolicy):
     name = "dynamo"
     uses_index = True
 
-    def __init__(self, overlap_weight: float = DYNAMO_OVERLAP_WEIGHT) -> None:
+    def __init__(self, overlap_weight: float = DYNAMO_OVERLAP_WEIGHT, remote_fetch: bool = False) -> None:
         self._weight = overlap_weight
         self._rotation = _Rotation()
+        self.remote_fetch = remote_fetch
+        if remote_fetch:
+            self.name = "dynamo+fetch"
 
     def choose(self, request: Request, fleet: Fleet, now: float) -> int:
         overlap = dict.fromkeys(range(len(fleet.replicas)), 0)
@@ -178,7 +248,7 @@ class KvstoreCost(RoutingPolicy):
 
     def choose(self, request: Request, fleet: Fleet, now: float) -> int:
         matches = {match.node_id: match for match in _matches(request, fleet)}
-        candidates = [scoring.Candidate(r.node_id, r.queued_new_tokens(now), r.num_decoding) for r in fleet.replicas]
+        candidates = [_candidate(replica, now) for replica in fleet.replicas]
         held = self._sessions.get(request.session_id)
         affinity = held[0] if held is not None and held[1] > now else None
         decision = scoring.route(
@@ -213,6 +283,9 @@ POLICIES: dict[str, Callable[[int, scoring.CostModel], RoutingPolicy]] = {
     "longest-prefix": lambda num_replicas, speeds: LongestPrefix(),
     "dynamo": lambda num_replicas, speeds: DynamoCost(),
     "kvstore": lambda num_replicas, speeds: KvstoreCost(speeds),
+    "session-hash+fetch": lambda num_replicas, speeds: SessionHash(num_replicas, remote_fetch=speeds.remote_fetch),
+    "longest-prefix+load+fetch": lambda num_replicas, speeds: LongestPrefix(speeds=speeds, remote_fetch=speeds.remote_fetch),
+    "dynamo+fetch": lambda num_replicas, speeds: DynamoCost(remote_fetch=speeds.remote_fetch),
 }
 
 

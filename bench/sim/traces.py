@@ -44,6 +44,7 @@ import math
 import os
 from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import xxhash
 
@@ -51,7 +52,19 @@ from bench.sim.workload import Request
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import CHAIN_SEED, ROOT_PARENT, BlockHash
 
-__all__ = ["TraceFormat", "TraceFormatError", "read_trace", "parse_trace_lines", "oracle_hit_rate", "oracle_hit_tokens"]
+__all__ = [
+    "TraceFormat",
+    "TraceFormatError",
+    "read_trace",
+    "parse_trace_lines",
+    "oracle_hit_rate",
+    "oracle_hit_tokens",
+    "MOONCAKE_TRACE",
+    "trace_folders",
+    "shared_trace",
+]
+
+MOONCAKE_TRACE = "mooncake_synthetic_trace.jsonl"
 
 _MAX_BLOCK_ID = 2**32 - 1  # ids are hashed as one uint32 "token", as kvstore hashes tokens
 
@@ -99,6 +112,20 @@ class _SessionMark:
 
     session_id: str
     num_full_blocks: int
+
+
+def trace_folders() -> list[Path]:
+    """Where the shared traces may be: $KVSTORE_TRACES, then shared/traces in or beside the checkout."""
+    root = Path(__file__).resolve().parents[2]
+    folders = [root / "shared/traces", root.parent / "shared/traces"]
+    if "KVSTORE_TRACES" in os.environ:
+        folders.insert(0, Path(os.environ["KVSTORE_TRACES"]))
+    return folders
+
+
+def shared_trace(name: str = MOONCAKE_TRACE) -> Path | None:
+    """The shared trace file ``name``, or None where no folder of `trace_folders` has it."""
+    return next((folder / name for folder in trace_folders() if (folder / name).is_file()), None)
 
 
 def read_trace(path: str | os.PathLike[str], trace_format: TraceFormat = TraceFormat()) -> list[Request]:

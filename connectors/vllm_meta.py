@@ -25,6 +25,10 @@ from kvstore.paths import default_socket_path
 
 _DEFAULT_HANDOFF_TIMEOUT_S = 60.0
 _DEFAULT_DAEMON_TIMEOUT_S = 5.0
+# how long the blocks a scheduler's lookup counted are held from eviction at most: the
+# worker loads them a step later and the hold is released then; this bounds what a
+# request that never gets scheduled (or a scheduler that stalls) keeps held
+_DEFAULT_LOOKUP_HOLD_S = 30.0
 
 __all__ = [
     "ConnectorSettings",
@@ -51,10 +55,11 @@ class ConnectorSettings:
     handoff_timeout_s: float = _DEFAULT_HANDOFF_TIMEOUT_S  # PD: how long either side waits for the other
     handoff_destination: str = ""  # PD producer: the decode daemon, unless a request names one
     daemon_timeout_s: float = _DEFAULT_DAEMON_TIMEOUT_S  # a daemon call slower than this is a miss (or a skipped save)
+    lookup_hold_s: float = _DEFAULT_LOOKUP_HOLD_S  # the longest a lookup's blocks are held for their load (≤ 600)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
-        known = {"socket_path", "tenant_salt", "model_id", "handoff_timeout_s", "handoff_destination", "daemon_timeout_s"}
+        known = {"socket_path", "tenant_salt", "model_id", "handoff_timeout_s", "handoff_destination", "daemon_timeout_s", "lookup_hold_s"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise InvalidArgument(
@@ -62,10 +67,14 @@ class ConnectorSettings:
                 f"{', '.join(sorted(known))}."
             )
         timeouts = {}
-        for key, default in (("handoff_timeout_s", _DEFAULT_HANDOFF_TIMEOUT_S), ("daemon_timeout_s", _DEFAULT_DAEMON_TIMEOUT_S)):
+        for key, default, most in (
+            ("handoff_timeout_s", _DEFAULT_HANDOFF_TIMEOUT_S, 86_400.0),
+            ("daemon_timeout_s", _DEFAULT_DAEMON_TIMEOUT_S, 86_400.0),
+            ("lookup_hold_s", _DEFAULT_LOOKUP_HOLD_S, 600.0),
+        ):
             timeouts[key] = extra.get(key, default)
-            if not isinstance(timeouts[key], (int, float)) or timeouts[key] <= 0:
-                raise InvalidArgument(f"{key} must be a positive number of seconds, got {timeouts[key]!r}.")
+            if type(timeouts[key]) not in (int, float) or not 0 < timeouts[key] <= most:
+                raise InvalidArgument(f"{key} must be a positive number of seconds, at most {most:g}, got {timeouts[key]!r}.")
         for key in ("socket_path", "tenant_salt", "model_id", "handoff_destination"):
             if not isinstance(extra.get(key, ""), str):
                 raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be a string.")
@@ -76,6 +85,7 @@ class ConnectorSettings:
             handoff_timeout_s=float(timeouts["handoff_timeout_s"]),
             handoff_destination=extra.get("handoff_destination", ""),
             daemon_timeout_s=float(timeouts["daemon_timeout_s"]),
+            lookup_hold_s=float(timeouts["lookup_hold_s"]),
         )
 
 

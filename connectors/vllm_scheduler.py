@@ -74,6 +74,7 @@ class SchedulerCounters:
     saved_blocks_planned: int = 0
     handoffs_sent: int = 0
     handoffs_received: int = 0
+    async_loads: int = 0  # loads from a slow tier (NVMe), beside the steps
 
 
 @dataclass
@@ -88,6 +89,7 @@ class _Request:
     handoff_tried: bool = False  # PD consumer: once only; a retry (failure, preemption) uses the store
     keyed: bool = True  # False: its extra hash keys could not be encoded, so kvstore neither loads nor saves it
     hold_id: int = 0  # the daemon's hold on the blocks its last lookup counted (0: none)
+    loads_async: bool = False  # its hit reads a slow tier: loaded beside the steps
 
 
 class SchedulerSide:
@@ -132,7 +134,9 @@ class SchedulerSide:
             state.hit_tiers = self._loadable_prefix(state, state.hashes[first:num_full]) if num_full > first else ()
         hit_end = min((first + len(state.hit_tiers)) * self._block_size, len(state.prompt) - 1)
         num_tokens = max(0, hit_end - first * self._block_size)
-        return num_tokens, receiving and num_tokens > 0
+        slow = self._settings.async_load_tiers
+        state.loads_async = not receiving and any(tier in slow for tier in state.hit_tiers[: -(-num_tokens // self._block_size)])
+        return num_tokens, (receiving or state.loads_async) and num_tokens > 0
 
     def hit_tiers(self, req_id: str) -> tuple[TierKind, ...]:
         state = self._requests.get(req_id)
@@ -142,12 +146,13 @@ class SchedulerSide:
         state = self._requests.get(request.request_id)
         if state is None:
             return
-        hold_id, state.hold_id = state.hold_id, 0
         if num_external_tokens <= 0:
-            self._release(hold_id)  # vLLM took none of the hit
+            self._release(state.hold_id)  # vLLM took none of the hit
+            state.hold_id = 0
             return
-        if hold_id:
-            self._loading_holds.append(hold_id)  # released once this step's loads are done
+        if state.hold_id and not state.loads_async:
+            self._loading_holds.append(state.hold_id)  # released once this step's loads are done
+            state.hold_id = 0  # (an asynchronous load's when the request is scheduled: _track)
         block_ids = first_group_block_ids(blocks.get_block_ids())
         first = state.first_hit_block
         stop = first + -(-num_external_tokens // self._block_size)
@@ -158,8 +163,9 @@ class SchedulerSide:
             self.counters.handoffs_received += 1
             source = f"handoff {state.params[TRANSFER_ID]!r}"
         else:
-            self._loads.append(LoadSpec(request.request_id, hashes, targets, first_block=first))
-            source = "kvstore"
+            self._loads.append(LoadSpec(request.request_id, hashes, targets, first_block=first, asynchronous=state.loads_async))
+            self.counters.async_loads += state.loads_async
+            source = "kvstore, beside the steps" if state.loads_async else "kvstore"
         self.counters.external_hit_tokens += num_external_tokens
         logger.info(
             "kvstore: request %s loads %d tokens (%d blocks) from %s after a local hit of %d tokens",
@@ -174,7 +180,7 @@ class SchedulerSide:
     def build_metadata(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
         metadata = KVStoreConnectorMetadata(loads=self._loads)
         self._loads = []
-        self._recent_loads.append(frozenset(block for spec in metadata.loads if spec.transfer_id is None for block in spec.block_ids))
+        self._recent_loads.append(frozenset(block for spec in metadata.loads if spec.in_step for block in spec.block_ids))
         # the loads planned LOAD_WINDOW_STEPS steps ago have run: vLLM has their step's output
         self._holds_in_flight.append(self._loading_holds)
         self._loading_holds = []
@@ -286,6 +292,9 @@ class SchedulerSide:
         state = self._requests.get(scheduled.req_id)
         if state is None or not state.keyed:
             return None
+        if state.hold_id:  # scheduled: its asynchronous load is over (or vLLM took no hit)
+            self._release(state.hold_id)
+            state.hold_id = 0
         if scheduled.block_ids is not None:
             if scheduled.replaces_block_ids:
                 state.block_ids = list(scheduled.block_ids)

@@ -12,6 +12,7 @@ import json
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -23,6 +24,7 @@ from kvstore.connectors.vllm_compat import EngineGeometry
 from kvstore.connectors.vllm_meta import LOAD_WINDOW_STEPS, ConnectorSettings, namespace_for
 from kvstore.connectors.vllm_scheduler import SchedulerSide
 from kvstore.hashing import chain_hashes
+from kvstore.tier_kind import TierKind
 
 BLOCK_SIZE = 32
 GEOMETRY = EngineGeometry("test/holds-model", 2, 2, 64, BLOCK_SIZE, "bfloat16", tp_size=2, pp_size=1, model_dtype="bfloat16")
@@ -136,5 +138,28 @@ check("a request that finishes unscheduled is released", holds_now() == 0)
 looked_up("r4", 4)
 scheduler.close()
 check("a closed scheduler holds nothing", holds_now() == 0)
+
+# 5. a load beside the steps (a hit in a slow tier; here host is made one) keeps its hold
+# until vLLM schedules the request, its load done, however many steps that takes
+scheduler = SchedulerSide(replace(settings, async_load_tiers=(TierKind.HOST,)), GEOMETRY, "kv_both")
+fifth = request("r5", 5)
+store(fifth)
+tokens, asynchronous = scheduler.num_new_matched_tokens(fifth, 0)
+check("a slow tier's hit loads beside the steps", asynchronous and tokens == PROMPT_BLOCKS * BLOCK_SIZE)
+block_ids = list(range(PROMPT_BLOCKS + 1))
+scheduler.after_alloc(fifth, blocks_of(block_ids), tokens)
+metadata = scheduler.build_metadata(EMPTY_STEP)
+check("its load spec says so", [spec.asynchronous for spec in metadata.loads] == [True])
+for _ in range(LOAD_WINDOW_STEPS + 2):
+    scheduler.build_metadata(EMPTY_STEP)
+check("held until the request is scheduled", holds_now() == 1)
+scheduled = SimpleNamespace(
+    num_scheduled_tokens={"r5": 5},
+    scheduled_new_reqs=[SimpleNamespace(req_id="r5", num_computed_tokens=tokens, block_ids=(block_ids,))],
+    scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+)
+scheduler.build_metadata(scheduled)
+check("released once scheduled", holds_now() == 0)
+scheduler.close()
 
 sys.exit(0 if all(result["ok"] for result in results) else 1)

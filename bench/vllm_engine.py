@@ -105,14 +105,16 @@ def _transfer_config(connector: dict | None):
 
 
 def _connector_counters(llm) -> dict | None:
-    """The kvstore connector's counters, both halves (scheduler and worker live in this
-    process with multiprocessing off); None for other connectors."""
+    """The kvstore connector's counters, both halves where both live in this process
+    (multiprocessing off, one rank); None for other connectors."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    if not has_kv_transfer_group():
-        return None
-    worker = get_kv_transfer_group()
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    except AttributeError:  # the engine core runs in a process of its own
+        scheduler = None
+    # with tensor parallelism the workers are processes of their own: the scheduler's half only
+    worker = get_kv_transfer_group() if has_kv_transfer_group() else None
     counters = {}
     for side in (getattr(scheduler, "_scheduler", None), getattr(worker, "_worker", None)):
         if side is not None:

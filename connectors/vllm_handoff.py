@@ -9,7 +9,11 @@ end of the step ``handoff_finish`` waits for the tail of the transfer; the block
 stay cached on the prefill node too. The engine's blocks can be freed as soon as the
 step ends: the bytes are in kvstore's slots by then.
 
-Consumer (decode instance): a request arrives with the transfer id and is loaded
+Loads beside the steps (``HandoffReceiver``, for both kinds of asynchronous load): a
+request whose hit reads a slow tier (NVMe) is leased on a background thread — the daemon
+promotes and verifies its blocks meanwhile — copied into the engine's blocks and
+reported finished; blocks the lease did not cover are load errors, recomputed. And on a
+decode instance, a request arrives with the transfer id and is loaded
 asynchronously — a background thread (with its own daemon connection: the handoff
 belongs to the session that receives it) waits for the handoff, checks that it carries
 the block hashes this instance computed for the prompt, copies each layer into the
@@ -27,6 +31,7 @@ own thread, which alone uses its client.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -185,10 +190,15 @@ class HandoffReceiver:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-handoff")
         self._client: KVStoreClient | None = None  # the receiving thread's own
         self._jobs: dict[str, Future[set[int]]] = {}
+        self._stream = torch.cuda.Stream(caches[0].device) if caches and caches[0].is_cuda else None
         self.blocks_received = 0
+        self.blocks_loaded = 0  # from the store, beside the steps
         self.failures = 0
 
     def start(self, spec: LoadSpec) -> None:
+        if spec.transfer_id is None:  # from the store
+            self._jobs[spec.req_id] = self._executor.submit(self._load_stored, spec)
+            return
         spec = replace(spec, transfer_id=rank_transfer_id(spec.transfer_id, self._tp_rank))
         self._jobs[spec.req_id] = self._executor.submit(self._receive, spec)
 
@@ -221,9 +231,9 @@ class HandoffReceiver:
             # the prefill instance must have hashed the same tokens: only the agreeing prefix is used
             usable = next((k for k, (ours, theirs) in enumerate(zip(spec.hashes, sent)) if ours != theirs), len(sent))
             runs = runs_of(spec.block_ids[:usable], receiving.views[first : first + usable], self._copier.block_bytes)
-            for layer, cache in enumerate(self._caches):
-                client.handoff_wait_layers(spec.transfer_id, layer + 1, timeout_s=self._timeout_s)
-                self._copier.load(cache, layer, runs)
+            self._copy_in(
+                self._copier.load, runs, lambda layer: client.handoff_wait_layers(spec.transfer_id, layer + 1, timeout_s=self._timeout_s)
+            )
         except Exception as exc:  # a transfer or a copy that broke: nothing of it is trusted
             return self._failed(spec, spec.block_ids, exc)
         finally:
@@ -236,11 +246,48 @@ class HandoffReceiver:
             return self._failed(spec, spec.block_ids[usable:], "the handoff holds other or fewer blocks than the prompt")
         return set()
 
+    def _load_stored(self, spec: LoadSpec) -> set[int]:
+        """Runs on the receiving thread: lease the blocks (the daemon promotes them from
+        NVMe, verified, meanwhile), copy every layer into the engine's blocks, release;
+        returns the engine blocks left unfilled."""
+        try:
+            client = self._connect()
+            lease = client.acquire(self._namespace.digest, spec.hashes)
+        except KVStoreError as exc:
+            return self._failed(spec, spec.block_ids, exc)
+        loaded = lease.num_blocks
+        try:
+            self._copy_in(self._copier.load, runs_of(spec.block_ids[:loaded], lease.views, self._copier.block_bytes))
+        except Exception as exc:  # a copy that broke: nothing of it is trusted
+            return self._failed(spec, spec.block_ids, exc)
+        finally:
+            try:
+                client.release(lease)
+            except KVStoreError:
+                pass  # the daemon frees the lease with the connection
+        self.blocks_loaded += loaded
+        if loaded < len(spec.hashes):
+            return self._failed(spec, spec.block_ids[loaded:], "no longer loadable (evicted, or failed its checksum)")
+        return set()
+
+    def _copy_in(self, load, runs: list[BlockRun], before_layer=None) -> None:
+        """Every layer of ``runs`` into the engine's caches; on CUDA on this thread's own
+        stream, done before this returns (the engine reads the blocks once told)."""
+        if not runs:
+            return
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            for layer, cache in enumerate(self._caches):
+                if before_layer is not None:
+                    before_layer(layer)
+                load(cache, layer, runs)
+        if self._stream is not None:
+            self._stream.synchronize()
+
     def _failed(self, spec: LoadSpec, block_ids: Sequence[int], why: object) -> set[int]:
         self.failures += 1
         logger.warning(
-            "kvstore: handoff %r of request %s: %d blocks not received (%s); vLLM recomputes them",
-            spec.transfer_id,
+            "kvstore: %s of request %s: %d blocks not loaded (%s); vLLM recomputes them",
+            "load" if spec.transfer_id is None else f"handoff {spec.transfer_id!r}",
             spec.req_id,
             len(block_ids),
             why,

@@ -22,9 +22,15 @@ from kvstore.hashing import BlockHash
 from kvstore.layout import KVLayout
 from kvstore.namespace import Namespace
 from kvstore.paths import default_socket_path
+from kvstore.tier_kind import TierKind
 
 _DEFAULT_HANDOFF_TIMEOUT_S = 60.0
 _DEFAULT_DAEMON_TIMEOUT_S = 5.0
+# how long the blocks a scheduler's lookup counted are held from eviction at most: the
+# worker loads them a step later and the hold is released then; this bounds what a
+# request that never gets scheduled (or a scheduler that stalls) keeps held
+_DEFAULT_LOOKUP_HOLD_S = 30.0
+_DEFAULT_ASYNC_LOAD_TIERS = ("nvme",)
 
 __all__ = [
     "ConnectorSettings",
@@ -51,10 +57,24 @@ class ConnectorSettings:
     handoff_timeout_s: float = _DEFAULT_HANDOFF_TIMEOUT_S  # PD: how long either side waits for the other
     handoff_destination: str = ""  # PD producer: the decode daemon, unless a request names one
     daemon_timeout_s: float = _DEFAULT_DAEMON_TIMEOUT_S  # a daemon call slower than this is a miss (or a skipped save)
+    lookup_hold_s: float = _DEFAULT_LOOKUP_HOLD_S  # the longest a lookup's blocks are held for their load (≤ 600)
+    # a load that reads a block from one of these tiers runs beside the engine's steps
+    # (vLLM's load_kv_async): a slow tier never stalls the batch; loads of faster tiers
+    # are copied layer by layer inside the step
+    async_load_tiers: tuple[TierKind, ...] = tuple(map(TierKind, _DEFAULT_ASYNC_LOAD_TIERS))
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
-        known = {"socket_path", "tenant_salt", "model_id", "handoff_timeout_s", "handoff_destination", "daemon_timeout_s"}
+        known = {
+            "socket_path",
+            "tenant_salt",
+            "model_id",
+            "handoff_timeout_s",
+            "handoff_destination",
+            "daemon_timeout_s",
+            "lookup_hold_s",
+            "async_load_tiers",
+        }
         unknown = sorted(set(extra) - known)
         if unknown:
             raise InvalidArgument(
@@ -62,13 +82,23 @@ class ConnectorSettings:
                 f"{', '.join(sorted(known))}."
             )
         timeouts = {}
-        for key, default in (("handoff_timeout_s", _DEFAULT_HANDOFF_TIMEOUT_S), ("daemon_timeout_s", _DEFAULT_DAEMON_TIMEOUT_S)):
+        for key, default, most in (
+            ("handoff_timeout_s", _DEFAULT_HANDOFF_TIMEOUT_S, 86_400.0),
+            ("daemon_timeout_s", _DEFAULT_DAEMON_TIMEOUT_S, 86_400.0),
+            ("lookup_hold_s", _DEFAULT_LOOKUP_HOLD_S, 600.0),
+        ):
             timeouts[key] = extra.get(key, default)
-            if not isinstance(timeouts[key], (int, float)) or timeouts[key] <= 0:
-                raise InvalidArgument(f"{key} must be a positive number of seconds, got {timeouts[key]!r}.")
+            if type(timeouts[key]) not in (int, float) or not 0 < timeouts[key] <= most:
+                raise InvalidArgument(f"{key} must be a positive number of seconds, at most {most:g}, got {timeouts[key]!r}.")
         for key in ("socket_path", "tenant_salt", "model_id", "handoff_destination"):
             if not isinstance(extra.get(key, ""), str):
                 raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be a string.")
+        tiers = extra.get("async_load_tiers", _DEFAULT_ASYNC_LOAD_TIERS)
+        loadable = {TierKind.HOST.value, TierKind.NVME.value}
+        if not isinstance(tiers, (list, tuple)) or not set(tiers) <= loadable:
+            raise InvalidArgument(
+                f"kv_connector_extra_config['async_load_tiers'] is a list of tiers out of {sorted(loadable)}, got {tiers!r}."
+            )
         return cls(
             socket_path=extra.get("socket_path") or str(default_socket_path()),
             tenant_salt=extra.get("tenant_salt", ""),
@@ -76,6 +106,8 @@ class ConnectorSettings:
             handoff_timeout_s=float(timeouts["handoff_timeout_s"]),
             handoff_destination=extra.get("handoff_destination", ""),
             daemon_timeout_s=float(timeouts["daemon_timeout_s"]),
+            lookup_hold_s=float(timeouts["lookup_hold_s"]),
+            async_load_tiers=tuple(TierKind(tier) for tier in dict.fromkeys(tiers)),
         )
 
 
@@ -106,7 +138,8 @@ LOAD_WINDOW_STEPS = 2
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
     """Copy the blocks ``hashes`` into the engine blocks ``block_ids`` (same order): from
-    the store, or — with a ``transfer_id`` — from that handoff. ``hashes[0]`` is the
+    the store inside the step, from the store beside the steps (``asynchronous``), or —
+    with a ``transfer_id`` — from that handoff (asynchronous too). ``hashes[0]`` is the
     request's block ``first_block`` (the block after vLLM's own prefix hit)."""
 
     req_id: str
@@ -114,6 +147,12 @@ class LoadSpec:
     block_ids: tuple[int, ...]
     transfer_id: str | None = None
     first_block: int = 0
+    asynchronous: bool = False  # from the store beside the steps (a slow tier), reported through get_finished
+
+    @property
+    def in_step(self) -> bool:
+        """Copied layer by layer inside the step that carries it."""
+        return self.transfer_id is None and not self.asynchronous
 
 
 @dataclass(frozen=True, slots=True)

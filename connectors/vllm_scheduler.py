@@ -7,9 +7,12 @@ hash (and no ``PYTHONHASHSEED``) is involved.
 
 A hit is counted only when every tensor-parallel rank's namespace holds the blocks in a
 tier the workers can load from (HBM, host, NVMe); blocks held by peers or by an engine's
-own GPU cache are not loadable here and end the hit. What could still fail between the
-lookup and the load (eviction, a block failing its checksum) is reported by the worker
-and recomputed, never served.
+own GPU cache are not loadable here and end the hit. The lookup holds the blocks it
+counted from eviction (tiers/holds.py) until the worker has loaded them: the hold is
+released once the load window (``LOAD_WINDOW_STEPS``) after the step that loads them has
+passed, when vLLM takes none of the hit, when the request is looked up again or finishes,
+and at ``lookup_hold_s`` at the latest. What could still fail (a block failing its
+checksum, a tier failing) is reported by the worker and recomputed, never served.
 
 Prefill/decode disaggregation (``kv_producer`` / ``kv_consumer``), with a proxy passing
 vLLM's ``kv_transfer_params``: on the prefill instance a request marked
@@ -71,6 +74,7 @@ class SchedulerCounters:
     saved_blocks_planned: int = 0
     handoffs_sent: int = 0
     handoffs_received: int = 0
+    async_loads: int = 0  # loads from a slow tier (NVMe), beside the steps
 
 
 @dataclass
@@ -84,6 +88,8 @@ class _Request:
     handoff: HandoffSpec | None = None  # PD producer: the handoff opened for it
     handoff_tried: bool = False  # PD consumer: once only; a retry (failure, preemption) uses the store
     keyed: bool = True  # False: its extra hash keys could not be encoded, so kvstore neither loads nor saves it
+    hold_id: int = 0  # the daemon's hold on the blocks its last lookup counted (0: none)
+    loads_async: bool = False  # its hit reads a slow tier: loaded beside the steps
 
 
 class SchedulerSide:
@@ -102,6 +108,9 @@ class SchedulerSide:
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadSpec] = []
         self._recent_loads: deque[frozenset[int]] = deque(maxlen=LOAD_WINDOW_STEPS)  # engine blocks loaded per step
+        self._loading_holds: list[int] = []  # holds of the loads of the step being planned
+        self._holds_in_flight: deque[list[int]] = deque()  # per step of the load window, its loads' holds
+        self._holds_to_release: list[int] = []
         self.counters = SchedulerCounters()
 
     # -- admission -------------------------------------------------------------------------
@@ -122,10 +131,12 @@ class SchedulerSide:
         if receiving:
             state.hit_tiers = (TierKind.REMOTE,) * max(0, num_full - first)
         else:
-            state.hit_tiers = self._loadable_prefix(state.hashes[first:num_full]) if num_full > first else ()
+            state.hit_tiers = self._loadable_prefix(state, state.hashes[first:num_full]) if num_full > first else ()
         hit_end = min((first + len(state.hit_tiers)) * self._block_size, len(state.prompt) - 1)
         num_tokens = max(0, hit_end - first * self._block_size)
-        return num_tokens, receiving and num_tokens > 0
+        slow = self._settings.async_load_tiers
+        state.loads_async = not receiving and any(tier in slow for tier in state.hit_tiers[: -(-num_tokens // self._block_size)])
+        return num_tokens, (receiving or state.loads_async) and num_tokens > 0
 
     def hit_tiers(self, req_id: str) -> tuple[TierKind, ...]:
         state = self._requests.get(req_id)
@@ -133,8 +144,15 @@ class SchedulerSide:
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
-        if state is None or num_external_tokens <= 0:
+        if state is None:
             return
+        if num_external_tokens <= 0:
+            self._release(state.hold_id)  # vLLM took none of the hit
+            state.hold_id = 0
+            return
+        if state.hold_id and not state.loads_async:
+            self._loading_holds.append(state.hold_id)  # released once this step's loads are done
+            state.hold_id = 0  # (an asynchronous load's when the request is scheduled: _track)
         block_ids = first_group_block_ids(blocks.get_block_ids())
         first = state.first_hit_block
         stop = first + -(-num_external_tokens // self._block_size)
@@ -145,8 +163,9 @@ class SchedulerSide:
             self.counters.handoffs_received += 1
             source = f"handoff {state.params[TRANSFER_ID]!r}"
         else:
-            self._loads.append(LoadSpec(request.request_id, hashes, targets, first_block=first))
-            source = "kvstore"
+            self._loads.append(LoadSpec(request.request_id, hashes, targets, first_block=first, asynchronous=state.loads_async))
+            self.counters.async_loads += state.loads_async
+            source = "kvstore, beside the steps" if state.loads_async else "kvstore"
         self.counters.external_hit_tokens += num_external_tokens
         logger.info(
             "kvstore: request %s loads %d tokens (%d blocks) from %s after a local hit of %d tokens",
@@ -161,7 +180,12 @@ class SchedulerSide:
     def build_metadata(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
         metadata = KVStoreConnectorMetadata(loads=self._loads)
         self._loads = []
-        self._recent_loads.append(frozenset(block for spec in metadata.loads if spec.transfer_id is None for block in spec.block_ids))
+        self._recent_loads.append(frozenset(block for spec in metadata.loads if spec.in_step for block in spec.block_ids))
+        # the loads planned LOAD_WINDOW_STEPS steps ago have run: vLLM has their step's output
+        self._holds_in_flight.append(self._loading_holds)
+        self._loading_holds = []
+        while len(self._holds_in_flight) > LOAD_WINDOW_STEPS:
+            self._holds_to_release += self._holds_in_flight.popleft()
         recent_loads = frozenset().union(*self._recent_loads)
         for scheduled in scheduled_requests(scheduler_output):
             state = self._track(scheduled)
@@ -175,12 +199,16 @@ class SchedulerSide:
             if save is not None:
                 metadata.saves.append(save)
                 self.counters.saved_blocks_planned += len(save.hashes)
+        self._flush_releases()
         return metadata
 
     def finished(self, request: Any) -> dict | None:
         """The kv_transfer_params a decode instance needs (PD producer), else None."""
         state = self._requests.pop(request.request_id, None)
-        if state is None or state.handoff is None:
+        if state is None:
+            return None
+        self._release(state.hold_id)  # looked up, never loaded
+        if state.handoff is None:
             return None
         return {
             "do_remote_prefill": True,
@@ -190,7 +218,7 @@ class SchedulerSide:
         }
 
     def close(self) -> None:
-        self._client.close()
+        self._client.close()  # the daemon ends this connection's holds with it
 
     # -- helpers ---------------------------------------------------------------------------
     def _state(self, request: Any) -> _Request:
@@ -218,21 +246,44 @@ class SchedulerSide:
             and not state.handoff_tried
         )
 
-    def _loadable_prefix(self, hashes: list[BlockHash]) -> tuple[TierKind, ...]:
+    def _loadable_prefix(self, state: _Request, hashes: list[BlockHash]) -> tuple[TierKind, ...]:
         """Tiers of the blocks of ``hashes`` that every rank can load, from the first
-        block on; per block, the slowest tier any rank holds it in."""
+        block on; per block, the slowest tier any rank holds it in. The blocks found are
+        held for the load (``state.hold_id``), replacing the request's earlier hold; holds
+        waiting to be released go in the same round trip."""
         self.counters.lookups += 1
         per_rank: list[tuple[TierKind, ...]] = []
+        if state.hold_id:
+            self._holds_to_release.append(state.hold_id)
+            state.hold_id = 0
+        release, self._holds_to_release = self._holds_to_release, []
         try:
-            for found in self._client.lookup_shards(self._digests, hashes):  # every rank, one round trip
+            held = self._client.lookup_held(self._digests, hashes, self._settings.lookup_hold_s, release)
+            state.hold_id = held.hold_id
+            for found in held.results:  # every rank, one round trip
                 tiers = found.tiers
                 loadable = next((i for i, tier in enumerate(tiers) if tier not in _LOADABLE_TIERS), len(tiers))
                 per_rank.append(tiers[:loadable])
         except KVStoreError as exc:
+            self._holds_to_release = release + self._holds_to_release  # again later: a release twice is harmless
             self.counters.lookup_failures += 1
             log_failure(logger, "lookup failed, treating it as a miss", exc)
             return ()
         return tuple(max(tiers, key=lambda tier: tier.rank) for tiers in zip(*per_rank))
+
+    def _release(self, hold_id: int) -> None:
+        if hold_id:
+            self._holds_to_release.append(hold_id)
+
+    def _flush_releases(self) -> None:
+        """Send the releases no lookup of this step carried (one notice, no answer awaited).
+        A daemon that is away has ended the holds with their connection already."""
+        release, self._holds_to_release = self._holds_to_release, []
+        if release:
+            try:
+                self._client.release_holds(release)
+            except KVStoreError as exc:
+                log_failure(logger, "releasing lookup holds failed; they end at their deadline", exc)
 
     def _track(self, scheduled: ScheduledRequest) -> _Request | None:
         """The request's state with this step's block table applied. A request the lookup
@@ -241,6 +292,9 @@ class SchedulerSide:
         state = self._requests.get(scheduled.req_id)
         if state is None or not state.keyed:
             return None
+        if state.hold_id:  # scheduled: its asynchronous load is over (or vLLM took no hit)
+            self._release(state.hold_id)
+            state.hold_id = 0
         if scheduled.block_ids is not None:
             if scheduled.replaces_block_ids:
                 state.block_ids = list(scheduled.block_ids)

@@ -96,7 +96,8 @@ class WorkerSide:
         self._device: torch.device | None = None  # the caches' CUDA device
         self._saves_blocks = True  # False on the MLA ranks that only read (register decides)
         self._sender: HandoffSender | None = None  # PD producer
-        self._receiver: HandoffReceiver | None = None  # PD consumer
+        self._receiver: HandoffReceiver | None = None  # loads beside the steps: PD consumer, slow tiers
+        self._loaded_beside_steps = 0  # of the receiver's blocks_loaded, those counted already
         # this step's state, cleared by finish_step
         self._leases: list[Lease] = []
         self._layer_loads: list[CopyJob] = []
@@ -163,8 +164,8 @@ class WorkerSide:
     def start_load(self, metadata: KVStoreConnectorMetadata) -> None:
         runs: list[BlockRun] = []
         for index, spec in enumerate(metadata.loads):
-            if spec.transfer_id is not None:
-                self._receiver.start(spec)  # asynchronous: reported through finished_receiving
+            if not spec.in_step:
+                self._receiver.start(spec)  # beside the steps: reported through finished_receiving
                 continue
             lease = self._acquire(spec.hashes)
             self._leases.append(lease)
@@ -199,6 +200,9 @@ class WorkerSide:
         finished, failed = self._receiver.take_finished()
         self._load_errors |= failed
         self.counters.failed_blocks += len(failed)
+        loaded = self._receiver.blocks_loaded  # written by its thread: read once
+        self.counters.loaded_blocks += loaded - self._loaded_beside_steps
+        self._loaded_beside_steps = loaded
         self.counters.handoff_blocks_received = self._receiver.blocks_received
         return finished
 
@@ -235,7 +239,7 @@ class WorkerSide:
         error = wait_all(self._layer_loads)
         if error is not None:  # some layers hold bytes of unknown state: recompute them all
             logger.warning("kvstore: a layer copy from the slab failed (%s); vLLM recomputes the step's loads", error)
-            self._first_failed = {index: 0 for index, spec in enumerate(metadata.loads) if spec.transfer_id is None}
+            self._first_failed = {index: 0 for index, spec in enumerate(metadata.loads) if spec.in_step}
         self._agree_on_failed_loads(metadata)
         error = wait_all(self._layer_saves)
         if error is not None:
@@ -264,7 +268,7 @@ class WorkerSide:
         metadata, so they all take part in the all-reduce or all skip it."""
         # a failure older than the load window is known to vLLM's scheduler, which planned its recompute
         self._failed_recently = {block: step for block, step in self._failed_recently.items() if step > self._step - LOAD_WINDOW_STEPS}
-        loads = [(index, spec) for index, spec in enumerate(metadata.loads) if spec.transfer_id is None]
+        loads = [(index, spec) for index, spec in enumerate(metadata.loads) if spec.in_step]
         if not loads:
             return
         first_failed = [self._first_failed.get(index, len(spec.block_ids)) for index, spec in loads]

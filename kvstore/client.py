@@ -67,7 +67,7 @@ from kvstore.tiers.base import byte_view, checksums_beside, copy_checksummed
 from kvstore.tiers.host import SharedSlab
 from kvstore.tiers.slab import Slot
 
-__all__ = ["KVStoreClient", "AsyncKVStoreClient", "LookupResult", "HandoffSend", "HandoffReceive", "PendingSave", "Lease"]
+__all__ = ["KVStoreClient", "AsyncKVStoreClient", "LookupResult", "HeldLookup", "HandoffSend", "HandoffReceive", "PendingSave", "Lease"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,14 @@ class LookupResult:
     @property
     def num_tokens(self) -> int:
         return len(self.ranks) * self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class HeldLookup:
+    """A lookup in several namespaces whose reported blocks are held from eviction."""
+
+    hold_id: int  # 0: nothing was cached, nothing is held
+    results: list[LookupResult]  # one per namespace asked, in order
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +186,10 @@ def _abort_late(result: list) -> list[tuple[int, tuple]]:
     return [(Op.ABORT, (result[0],))]
 
 
+def _release_hold_late(result: list) -> list[tuple[int, tuple]]:
+    return [(Op.HOLD_RELEASE, (localproto.pack_handles([result[0]]),))] if result[0] else []
+
+
 class _Core:
     """The calls, as generators of requests; the state both faces share: the mapped slab,
     the namespaces, the handles still out, and the connection generation they belong to."""
@@ -236,6 +248,14 @@ class _Core:
 
     def lookup_shards(self, namespaces: Sequence[bytes], hashes: Sequence[BlockHash]) -> Call:
         replies = yield _Request(Op.LOOKUP_SHARDS, (b"".join(namespaces), localproto.pack_hashes(hashes)))
+        return self._results(namespaces, replies)
+
+    def lookup_held(self, namespaces: Sequence[bytes], hashes: Sequence[BlockHash], hold_s: float, release: Sequence[int]) -> Call:
+        args = (b"".join(namespaces), localproto.pack_hashes(hashes), hold_s, localproto.pack_handles(release))
+        hold_id, replies = yield _Request(Op.LOOKUP_HOLD, args, _release_hold_late)
+        return HeldLookup(hold_id, self._results(namespaces, replies))
+
+    def _results(self, namespaces: Sequence[bytes], replies: list[bytes]) -> list[LookupResult]:
         return [LookupResult(ranks, self.block_size.get(namespace, 0)) for namespace, ranks in zip(namespaces, replies)]
 
     def save(self, namespace: bytes, hashes: Sequence[BlockHash], blocks: Sequence[torch.Tensor], parent_hash: BlockHash | None) -> Call:
@@ -680,6 +700,21 @@ class KVStoreClient:
         """``lookup`` of the same chain in several namespaces (the ranks of a tensor-parallel
         engine), in one round trip."""
         return self._run(self._core.lookup_shards(namespaces, hashes))
+
+    def lookup_held(
+        self, namespaces: Sequence[bytes], hashes: Sequence[BlockHash], hold_s: float, release: Sequence[int] = ()
+    ) -> HeldLookup:
+        """``lookup_shards`` that keeps every block it reports from eviction for ``hold_s``
+        or until ``release_holds`` of the returned hold id (tiers/holds.py): for a reader
+        that counts blocks now and loads them a moment later (an engine's scheduler and
+        its workers). ``release``: earlier holds to let go of in the same round trip.
+        Holds end with this connection: after a reconnect the old ids are ignored."""
+        return self._run(self._core.lookup_held(namespaces, hashes, hold_s, release))
+
+    def release_holds(self, hold_ids: Sequence[int]) -> None:
+        """Let go of lookup holds, without waiting for an answer."""
+        if hold_ids:
+            self._run(self._core.notice(Op.HOLD_RELEASE, localproto.pack_handles(hold_ids)))
 
     def ensure_namespace(self, namespace: Namespace) -> bytes:
         """Register ``namespace`` now if the daemon is up, else once it is back; its digest

@@ -133,6 +133,8 @@ class LocalServerProtocol(asyncio.Protocol):
             Op.REGISTER: self._register,
             Op.LOOKUP: self._lookup,
             Op.LOOKUP_SHARDS: self._lookup_shards,
+            Op.LOOKUP_HOLD: self._lookup_hold,
+            Op.HOLD_RELEASE: self._hold_release,
             Op.RESERVE: self._reserve,
             Op.COMMIT: self._commit,
             Op.ABORT: self._abort,
@@ -284,6 +286,13 @@ class LocalServerProtocol(asyncio.Protocol):
 
     def _lookup_shards(self, digests: list[bytes], chain: bytes) -> list[bytes]:
         return [self._lookup(digest, chain) for digest in digests]
+
+    def _lookup_hold(self, digests: list[bytes], chain: bytes, hold_s: float, release: list[int] | None = None) -> list:
+        hold_id, ranks = self._node.lookup_held(self._session, digests, chain, hold_s, release or ())
+        return [hold_id, ranks]
+
+    def _hold_release(self, hold_ids: list[int]) -> None:
+        self._node.release_holds(self._session, hold_ids)
 
     def _reserve(self, digest: bytes, hashes: list, parent: bytes | None = None):
         return _then(self._node.begin_save(self._session, digest, hashes, parent), _placements(hashes))

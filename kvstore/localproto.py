@@ -70,6 +70,7 @@ __all__ = [
     "pack_hashes",
     "unpack_hashes",
     "checked_chain",
+    "pack_handles",
     "pack_checksums",
     "unpack_checksums",
     "namespace_to_wire",
@@ -105,6 +106,8 @@ class Op:
     HANDOFF_WAIT = 15
     HANDOFF_CLOSE = 16
     LOOKUP_SHARDS = 17  # one lookup for the namespaces of several tensor-parallel ranks
+    LOOKUP_HOLD = 18  # LOOKUP_SHARDS that keeps the blocks it reports from eviction until released
+    HOLD_RELEASE = 19
 
 
 OP_NAMES: dict[int, str] = {value: name.lower() for name, value in vars(Op).items() if name.isupper()}
@@ -279,8 +282,23 @@ def _parent(value: Any) -> BlockHash | None:
 
 def _handle(value: Any) -> int:
     if type(value) is not int or not 0 < value < 1 << 64:
-        raise InvalidArgument(f"a lease or reservation id is a positive 64-bit integer, got {describe(value)}.")
+        raise InvalidArgument(f"a lease, reservation or hold id is a positive 64-bit integer, got {describe(value)}.")
     return value
+
+
+MAX_HOLD_IDS = 4096  # holds one request may release
+
+
+def pack_handles(handles: Sequence[int]) -> bytes:
+    return np.asarray(handles, dtype=_CHECKSUM).tobytes()
+
+
+def _handles(value: Any) -> list[int]:
+    if not isinstance(value, bytes) or len(value) % 8 or len(value) > 8 * MAX_HOLD_IDS:
+        raise InvalidArgument(
+            f"hold ids are one bytes string of at most {MAX_HOLD_IDS} ids of 8 bytes (uint64, little-endian), got {describe(value)}."
+        )
+    return [_handle(item) for item in np.frombuffer(value, dtype=_CHECKSUM).tolist()]
 
 
 def _count_or_none(value: Any) -> int | None:
@@ -341,6 +359,13 @@ SIGNATURES: dict[int, tuple[tuple[str, Check, bool], ...]] = {
     Op.REGISTER: (("namespace", _fields, False),),
     Op.LOOKUP: (("namespace digest", _digest, False), ("block hashes", checked_chain, False)),
     Op.LOOKUP_SHARDS: (("namespace digests", _digests, False), ("block hashes", checked_chain, False)),
+    Op.LOOKUP_HOLD: (
+        ("namespace digests", _digests, False),
+        ("block hashes", checked_chain, False),
+        ("hold_s", _seconds, False),
+        ("hold ids to release", _handles, True),
+    ),
+    Op.HOLD_RELEASE: (("hold ids to release", _handles, False),),
     Op.RESERVE: (("namespace digest", _digest, False), ("block hashes", unpack_hashes, False), ("parent hash", _parent, True)),
     Op.COMMIT: (("reservation id", _handle, False), ("blocks written", _count_or_none, True), ("checksums", _checksums_or_none, True)),
     Op.ABORT: (("reservation id", _handle, False),),

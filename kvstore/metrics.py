@@ -162,7 +162,12 @@ class _Snapshot(Collector):
         # each attribute is replaced whole: a scrape in another thread sees old or new
         self._tiers = manager.tier_stats()
         self._counters = dict(manager.counters)
-        self._gauges = {"leases": manager.num_leases, "reservations": manager.num_reservations, "blocks": len(manager.catalogue)}
+        self._gauges = {
+            "leases": manager.num_leases,
+            "reservations": manager.num_reservations,
+            "lookup_holds": manager.num_holds,
+            "blocks": len(manager.catalogue),
+        }
 
     def collect(self) -> Iterator:
         capacity = GaugeMetricFamily("kvstore_tier_capacity_bytes", "Capacity of each tier.", labels=["tier"])
@@ -178,6 +183,7 @@ class _Snapshot(Collector):
         for name, help_text in (
             ("leases", "Read leases held now."),
             ("reservations", "Write reservations open now."),
+            ("lookup_holds", "Lookups whose blocks are held from eviction until their engine loads them."),
             ("blocks", "Blocks cached on this node."),
         ):
             yield GaugeMetricFamily(f"kvstore_{name}", help_text, value=self._gauges.get(name, 0))

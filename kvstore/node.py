@@ -1,12 +1,13 @@
 """A node: the tier manager plus what a daemon serving many clients adds around it.
 
 - namespaces registered by clients (a block is only ever served under its namespace);
-- ownership (DESIGN decision 12): every reservation and lease belongs to the client
-  session that took it, and a call naming a handle of another session is refused
+- ownership (DESIGN decision 12): every reservation, lease and lookup hold belongs to
+  the client session that took it, and a call naming a handle of another session is refused
   (NotFound). What a session holds is let go when its owner is provably gone: its engine
   process exited (a killed engine leaks nothing). A session whose connection closed while
   its process still runs is *orphaned*: it keeps every slot it holds — the process may
-  still be copying into or out of them — until the front end reports the process gone;
+  still be copying into or out of them — until the front end reports the process gone.
+  Lookup holds read no bytes, so they go with the connection;
 - metrics for every operation;
 - housekeeping the daemon runs periodically (expired reservations, watermarks, gauges).
 
@@ -75,12 +76,16 @@ class BlockPage:
     total: int
 
 
+MAX_HOLD_S = 600.0  # a lookup hold covers the lookup-to-load gap of an engine step, not storage
+
+
 class _Session:
-    __slots__ = ("reservations", "leases", "open")
+    __slots__ = ("reservations", "leases", "holds", "open")
 
     def __init__(self) -> None:
         self.reservations: set[int] = set()
         self.leases: set[int] = set()
+        self.holds: set[int] = set()
         self.open = True  # False once its connection is gone
 
 
@@ -96,6 +101,7 @@ class Node:
         # what `kvstore stats --fleet` turns into this node's hit rate
         self.lookup_counts: collections.Counter[str] = collections.Counter()
         self._session_ids = itertools.count(1)
+        self._hold_sessions: dict[int, int] = {}  # hold id → the session that took it
 
     # -- sessions -----------------------------------------------------------------------
     def open_session(self) -> int:
@@ -111,6 +117,7 @@ class Node:
         if session is None:
             return True
         session.open = False
+        self._release_holds(session, list(session.holds))  # they read no bytes: nothing to wait for
         if not owner_gone and (session.reservations or session.leases):
             self._orphans[session_id] = session
             return False
@@ -179,6 +186,38 @@ class Node:
         counts["lookup_hit_tokens"] += hit * block_size
         counts["lookup_missed_tokens"] += missed * block_size
         return ranks
+
+    def lookup_held(
+        self, session_id: int, digests: Sequence[bytes], chain: bytes, hold_s: float, release: Sequence[int] = ()
+    ) -> tuple[int, list[bytes]]:
+        """``lookup_ranks`` of ``chain`` in each namespace of ``digests``, with every block
+        reported held from eviction for ``hold_s`` (tiers/holds.py) or until released: the
+        hold's id (0: nothing held) and the ranks per namespace. ``release``: holds of this
+        session to let go first (a scheduler's loads that completed), so that releasing
+        costs no round trip of its own; ids it no longer holds are ignored."""
+        session = self._session(session_id)
+        if not 0 < hold_s <= MAX_HOLD_S:
+            raise InvalidArgument(f"a lookup hold lasts more than 0 and at most {MAX_HOLD_S:g} seconds, got {hold_s:g}.")
+        self.release_holds(session_id, release)
+        ranks = [self.lookup_ranks(digest, chain) for digest in digests]
+        hold_id = self.manager.hold_prefixes([(digest, len(found)) for digest, found in zip(digests, ranks)], chain, hold_s)
+        if hold_id:
+            session.holds.add(hold_id)
+            self._hold_sessions[hold_id] = session_id
+        return hold_id, ranks
+
+    def release_holds(self, session_id: int, hold_ids: Sequence[int]) -> None:
+        """Let go of lookup holds of this session; one it no longer holds (expired, or
+        another session's) is ignored: a hold's end is never an error to its holder."""
+        session = self._session(session_id)
+        self._release_holds(session, [hold_id for hold_id in hold_ids if hold_id in session.holds])
+
+    def _release_holds(self, session: _Session, hold_ids: Sequence[int]) -> None:
+        for hold_id in hold_ids:
+            session.holds.discard(hold_id)
+            self._hold_sessions.pop(hold_id, None)
+            with contextlib.suppress(NotFound):
+                self.manager.release_hold(hold_id)
 
     def begin_save(self, session_id: int, digest: bytes, hashes: Sequence[BlockHash], parent: BlockHash | None) -> Steps[Reservation]:
         session = self._session(session_id)
@@ -339,6 +378,10 @@ class Node:
         """Periodic work that never waits: expire reservations, refresh gauges. (Demotion
         above the watermarks waits for NVMe; the daemon drives ``relieve_pressure_steps``.)"""
         self.manager.expire_reservations()
+        for hold_id in self.manager.expire_holds():
+            session = self._sessions.get(self._hold_sessions.pop(hold_id, 0))
+            if session is not None:
+                session.holds.discard(hold_id)
         self.metrics.refresh(self.manager)
 
     # -- checks --------------------------------------------------------------------------

@@ -498,6 +498,13 @@ def argument(name: str, peer: tuple[str, str], values, texts, digests: tuple[byt
         "first block that failed verification": st.one_of(st.none(), st.integers(-3, 20), ints),
         "checksums": st.one_of(st.none(), st.integers(0, 20).map(lambda n: bytes(8 * n)), any_bytes),
         "deadline_s": seconds,
+        "hold_s": st.one_of(seconds, st.sampled_from([600.0, 600.5])),
+        "hold ids to release": st.one_of(
+            st.lists(st.integers(0, (1 << 64) - 1), max_size=4).map(lambda ids: np.asarray(ids, dtype="<u8").tobytes()),
+            st.binary(max_size=20),
+            st.just(bytes(8 * 4097)),
+            values,
+        ),
         "timeout_s": seconds,
         "source": st.one_of(st.none(), addresses, texts),
         "destination": st.one_of(addresses, texts),

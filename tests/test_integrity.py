@@ -31,7 +31,7 @@ from kvstore.client import KVStoreClient
 from kvstore.errors import DaemonUnavailable, InvalidArgument, KVStoreError, NotFound, ReservationExpired
 from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
-from kvstore.localproto import Op, encode_request, namespace_to_wire, pack_hashes
+from kvstore.localproto import PROTOCOL_VERSION, Op, encode_request, namespace_to_wire, pack_hashes
 from kvstore.namespace import Namespace
 
 pytestmark = pytest.mark.slow
@@ -79,7 +79,7 @@ class Raw:
         self.sock.settimeout(timeout_s)
         self.sock.connect(str(path))
         self.next_id = 1
-        self.call(Op.HELLO, 2)
+        self.call(Op.HELLO, PROTOCOL_VERSION)
 
     def send_frame(self, payload: bytes) -> None:
         self.sock.sendall(struct.pack("<I", len(payload)) + payload)

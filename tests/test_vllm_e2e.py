@@ -210,6 +210,7 @@ def test_a_block_failing_its_nvme_checksum_is_recomputed_with_the_correct_output
     corrupt_before = store.counters().get("corrupt_nvme", 0)
     recovered = store.serve("instance-nvme", [Q])
     counters = recovered["connector"]
+    assert counters["async_loads"] == 1  # an NVMe hit loads beside the engine's steps (load_kv_async)
     assert counters["external_hit_tokens"] == FULL_HIT  # the lookup could not know
     assert counters["loaded_blocks"] == bad_block  # the lease ends before the corrupt block …
     assert counters["failed_blocks"] == PROMPT_TOKENS // BLOCK - bad_block  # … the rest is reported …
@@ -236,7 +237,9 @@ def test_tokens_computed_on_a_block_that_failed_to_load_are_never_stored(store):
     flip_a_byte_of(store.daemon.workdir / "nvme", stored)
     store.daemon.start()
     plan = {"max_num_batched_tokens": 4 * BLOCK, "async_scheduling": True}
-    report = store.serve("instance-chunked", [V], plan=plan)
+    # loaded inside the steps (an NVMe hit would otherwise load beside them, before any
+    # chunk is computed): a failed block is then found while chunks are computed on it
+    report = store.serve("instance-chunked", [V], connector=store.connector(async_load_tiers=[]), plan=plan)
     counters = report["connector"]
     assert counters["loaded_blocks"] == bad_block
     assert counters["failed_blocks"] == PROMPT_TOKENS // BLOCK - bad_block

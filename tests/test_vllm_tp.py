@@ -48,13 +48,17 @@ def fleet(tmp_path_factory):
     with daemons(workdir) as start:
         daemon = start()
 
-        def serve(name: str, size: str, prompts: list[list[int]], connector: bool = True) -> dict:
+        def serve(name: str, size: str, prompts: list[list[int]], connector: bool = True, **extra) -> dict:
             plan = {
                 "model": str(models[size]),
                 "block_size": BLOCK,
                 "max_model_len": 4096,
                 "custom_ops": MLA_CUSTOM_OPS if size == "mla" else None,
-                "connector": {"name": "KVStoreConnector", "module": "kvstore.connectors.vllm", "extra": {"socket_path": str(daemon.socket)}}
+                "connector": {
+                    "name": "KVStoreConnector",
+                    "module": "kvstore.connectors.vllm",
+                    "extra": {"socket_path": str(daemon.socket), **extra},
+                }
                 if connector
                 else None,
                 "requests": [{"prompt": p, "max_tokens": 16} for p in prompts],
@@ -94,9 +98,11 @@ def test_both_ranks_save_and_load_their_heads_and_decode_what_they_decode_withou
         for rank in (0, 1):
             digest = client.register_namespace(_rank_namespace(models["tiny"], rank))
             assert client.lookup(digest, chain_hashes(p, BLOCK)).num_blocks == NUM_BLOCKS  # each rank stored its heads
-    fresh = serve("tp-b", "tiny", [p, q])["results"]
-    assert [r["num_cached_tokens"] for r in fresh] == [FULL_HIT, FULL_HIT]  # prefix caching is off: from kvstore
-    assert [r["tokens"] for r in fresh] == expected
+    # loaded beside the steps (load_kv_async, as an NVMe hit is), each rank its own heads
+    fresh = serve("tp-b", "tiny", [p, q], async_load_tiers=["host"])
+    assert fresh["connector"]["async_loads"] == 2
+    assert [r["num_cached_tokens"] for r in fresh["results"]] == [FULL_HIT, FULL_HIT]  # prefix caching is off: from kvstore
+    assert [r["tokens"] for r in fresh["results"]] == expected
 
 
 def test_a_block_one_rank_lacks_is_a_miss_for_the_whole_request(fleet):
@@ -131,7 +137,9 @@ def test_a_block_that_fails_to_load_on_one_rank_poisons_no_save_of_the_other(fle
     flip_a_byte_of(daemon.workdir / "nvme", stored)
     daemon.start()
     # vLLM's own prefix cache is off: the second request is served from kvstore alone
-    poisoned, again = serve("tp-poison-b", "tiny", [longer, longer])["results"]
+    # loaded inside the step (an NVMe hit would otherwise load beside the steps, before any
+    # token is computed on it): the ranks find the failure while computing on it
+    poisoned, again = serve("tp-poison-b", "tiny", [longer, longer], async_load_tiers=[])["results"]
     assert poisoned["tokens"] == expected  # vLLM recomputed what rank 1 could not load
     assert again["num_cached_tokens"] == len(longer) - 1  # every block was stored again …
     assert again["tokens"] == expected  # … and stored right, on both ranks

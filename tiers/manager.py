@@ -21,7 +21,9 @@ lookups and composes one collaborator per concern, each in its own module:
 - ``Mover`` (tiers/movement.py): room on demand, demotion, promotion, persisting,
   failing a tier;
 - ``Reservations`` (tiers/reservations.py): the write path's open reservations;
-- ``ReadLeases`` (tiers/leases.py): the read path's leases.
+- ``ReadLeases`` (tiers/leases.py): the read path's leases;
+- ``LookupHolds`` (tiers/holds.py): blocks a lookup reported, kept from eviction until
+  their reader loads them.
 
 They share the manager's event queue and counters and call each other only downwards in
 that list (the two paths use the mover and residency, never each other).
@@ -31,7 +33,7 @@ come in two forms: ``*_steps`` generators (tiers/steps.py), which an owner that 
 serving drives without blocking (the daemon awaits each step's futures), and plain
 methods that run the same steps blocking, for synchronous owners.
 
-Handles (reservation and lease ids) are random 63-bit integers, never a counter, so one
+Handles (reservation, lease and hold ids) are random 63-bit integers, never a counter, so one
 cannot be guessed from another.
 
 Owner: one thread (the daemon's event loop, a simulator, a test) owns the manager and
@@ -58,6 +60,7 @@ from kvstore.tier_kind import TIER_BY_RANK, TierKind
 from kvstore.tiers.base import BlockMeta, Tier, TierStats, block_checksum, byte_view
 from kvstore.tiers.catalogue import BlockEntry
 from kvstore.tiers.eviction import POLICIES
+from kvstore.tiers.holds import LookupHolds
 from kvstore.tiers.leases import ReadLeases
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.movement import Mover, block_meta
@@ -119,6 +122,7 @@ class TierManager:
             self._stack, self._residency, self._mover, self.events, self.counters, self._new_id, clock, config.reservation_ttl_s
         )
         self._leases = ReadLeases(self._stack, self._residency, self._mover, self.counters, self._new_id, clock)
+        self._holds = LookupHolds(self._residency, self._new_id, clock)
         self._namespaces: dict[bytes, Namespace | None] = {}
         self._block_bytes: dict[bytes, int] = {}
         for tier in tiers:
@@ -170,6 +174,23 @@ class TierManager:
         if len(chain) % HASH_BYTES:
             raise InvalidArgument(f"a chain is a whole number of {HASH_BYTES}-byte block hashes, got {len(chain)} bytes.")
         return self.catalogue.prefix_ranks(namespace, chain)
+
+    def hold_prefixes(self, prefixes: Sequence[tuple[bytes, int]], chain: bytes, ttl_s: float) -> int:
+        """Keep the first ``length`` blocks of ``chain`` in each ``(namespace, length)`` of
+        ``prefixes`` from eviction for ``ttl_s`` or until ``release_hold``; the hold's id,
+        0 when nothing was held (tiers/holds.py)."""
+        return self._holds.take(prefixes, chain, ttl_s)
+
+    def release_hold(self, hold_id: int) -> None:
+        self._holds.release(hold_id)
+
+    def expire_holds(self) -> list[int]:
+        """Release the holds past their deadline; their ids."""
+        return self._holds.expire()
+
+    @property
+    def num_holds(self) -> int:
+        return len(self._holds)
 
     # -- write path (tiers/reservations.py) -------------------------------------------
     def reserve_steps(
@@ -442,10 +463,10 @@ class TierManager:
 
     # -- internals --------------------------------------------------------------------
     def _new_id(self) -> int:
-        """A handle nobody can guess: random, above 2**32, unused by any reservation or lease."""
+        """A handle nobody can guess: random, above 2**32, unused by any reservation, lease or hold."""
         while True:
             handle = secrets.randbits(63)
-            if handle > 1 << 32 and not self._reservations.holds(handle) and not self._leases.holds(handle):
+            if handle > 1 << 32 and not any(kind.holds(handle) for kind in (self._reservations, self._leases, self._holds)):
                 return handle
 
     def _entries_for(self, namespace: bytes, hashes: Iterable[BlockHash]) -> Iterator[BlockEntry]:

@@ -1,0 +1,79 @@
+"""Lookup holds: the blocks a lookup reported, kept from eviction until the reader that
+counted them has loaded them.
+
+An engine's scheduler asks what is cached, promises that many tokens to the engine, and a
+worker loads them a step later; meanwhile another engine's saves could evict them, and
+the promised load would come up short. A hold taken by the lookup keeps each reported
+block out of its tier's eviction policy (it may still move between tiers, and a block
+dropped for a failed check or a failed tier goes as always — a hold guarantees no bytes,
+only that eviction does not pick the block). A hold ends when its holder releases it, at
+its deadline, or with its holder's session.
+
+Holds read no bytes and move nothing: a lookup with a hold costs a catalogue probe per
+block, never NVMe I/O.
+
+Owner: the tier manager's thread (see tiers/manager.py); not thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvstore.errors import NotFound
+from kvstore.hashing import HASH_BYTES
+from kvstore.tiers.catalogue import BlockEntry
+from kvstore.tiers.residency import Residency
+
+__all__ = ["LookupHolds"]
+
+
+class LookupHolds:
+    def __init__(self, residency: Residency, new_id: Callable[[], int], clock: Callable[[], float]) -> None:
+        self._residency = residency
+        self._new_id = new_id  # shared with reservations and leases: no two handles are equal
+        self._clock = clock
+        self._held: dict[int, tuple[float, list[BlockEntry]]] = {}  # id → (deadline, entries)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def holds(self, hold_id: int) -> bool:
+        return hold_id in self._held
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(entries) for _, entries in self._held.values())
+
+    def take(self, prefixes: Sequence[tuple[bytes, int]], chain: bytes, ttl_s: float) -> int:
+        """Hold, per ``(namespace, length)`` of ``prefixes``, the first ``length`` blocks of
+        ``chain`` (concatenated 16-byte hashes) in that namespace; 0 when none is cached
+        (nothing to release). A block that is no longer cached is skipped."""
+        catalogue, residency = self._residency.catalogue, self._residency
+        entries: list[BlockEntry] = []
+        for namespace, length in prefixes:
+            for index in range(length):
+                entry = catalogue.get((namespace, chain[index * HASH_BYTES : (index + 1) * HASH_BYTES]))
+                if entry is not None:
+                    residency.hold(entry)
+                    entries.append(entry)
+        if not entries:
+            return 0
+        hold_id = self._new_id()
+        self._held[hold_id] = (self._clock() + ttl_s, entries)
+        return hold_id
+
+    def release(self, hold_id: int) -> None:
+        try:
+            _, entries = self._held.pop(hold_id)
+        except KeyError:
+            raise NotFound(f"hold {hold_id} does not exist; it was released, expired or never granted.") from None
+        for entry in entries:
+            self._residency.unhold(entry)
+
+    def expire(self) -> list[int]:
+        """Release the holds past their deadline; their ids."""
+        now = self._clock()
+        expired = [hold_id for hold_id, (deadline, _) in self._held.items() if deadline <= now]
+        for hold_id in expired:
+            self.release(hold_id)
+        return expired

@@ -89,6 +89,7 @@ class _Request:
     handoff_tried: bool = False  # PD consumer: once only; a retry (failure, preemption) uses the store
     keyed: bool = True  # False: its extra hash keys could not be encoded, so kvstore neither loads nor saves it
     hold_id: int = 0  # the daemon's hold on the blocks its last lookup counted (0: none)
+    load_hold: int = 0  # that hold once its load is planned inside a step (released after the load window)
     loads_async: bool = False  # its hit reads a slow tier: loaded beside the steps
 
 
@@ -152,7 +153,7 @@ class SchedulerSide:
             return
         if state.hold_id and not state.loads_async:
             self._loading_holds.append(state.hold_id)  # released once this step's loads are done
-            state.hold_id = 0  # (an asynchronous load's when the request is scheduled: _track)
+            state.load_hold, state.hold_id = state.hold_id, 0  # (an asynchronous load's when the request is scheduled: _track)
         block_ids = first_group_block_ids(blocks.get_block_ids())
         first = state.first_hit_block
         stop = first + -(-num_external_tokens // self._block_size)
@@ -207,7 +208,15 @@ class SchedulerSide:
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return None
-        self._release(state.hold_id)  # looked up, never loaded
+        # looked up and never loaded, or loaded in a step whose output vLLM has: an engine
+        # that goes idle after this request leaves nothing held
+        self._release(state.hold_id)
+        if state.load_hold:
+            for holds in (self._loading_holds, *self._holds_in_flight):
+                if state.load_hold in holds:
+                    holds.remove(state.load_hold)
+                    self._release(state.load_hold)
+        self._flush_releases()
         if state.handoff is None:
             return None
         return {

@@ -373,3 +373,45 @@ def test_a_put_commits_each_blocks_checksum_of_its_bytes_taken_as_they_are_copie
     lease = manager.acquire(NS, hashes)
     assert len(lease.blocks) == num_blocks  # verified against those checksums where the tier checks them
     manager.release(lease.id)
+
+
+def test_lookup_holds_keep_what_a_lookup_counted_until_released_or_expired():
+    """tiers/holds.py: a held chain survives a flood that evicts everything else, an
+    explicit evict skips it, and once released (or at its deadline) it is ordinary cache."""
+    clock = Clock()
+    manager = make_manager(host_blocks=8, clock=clock)
+    held, flood = chain(1, 4), [chain(seed, 4) for seed in range(2, 6)]
+    manager.put(NS, held, blocks_for(1, 4))
+    hold_id = manager.hold_prefixes([(NS, len(manager.lookup(NS, held)))], b"".join(held), ttl_s=10)
+    assert hold_id and manager.num_holds == 1
+    for seed, hashes in enumerate(flood, 2):
+        manager.put(NS, hashes, blocks_for(seed, 4))  # only the other half of the tier is free
+    assert manager.lookup(NS, held) == [TierKind.HOST] * 4
+    assert manager.evict(NS, held).num_evicted == 0  # an operator's evict skips held blocks too
+    manager.release_hold(hold_id)
+    assert manager.evict(NS, held).num_evicted == 4
+    with pytest.raises(NotFound):
+        manager.release_hold(hold_id)
+    manager.put(NS, held, blocks_for(1, 4))
+    manager.hold_prefixes([(NS, 4)], b"".join(held), ttl_s=10)
+    clock.now = 11
+    assert len(manager.expire_holds()) == 1 and manager.num_holds == 0
+    for seed, hashes in enumerate(flood, 2):
+        manager.put(NS, hashes, blocks_for(seed, 4))
+    assert manager.lookup(NS, held) == []
+
+
+def test_two_holds_on_one_block_end_with_the_last():
+    manager = make_manager(host_blocks=4)
+    held = chain(1, 2)
+    manager.put(NS, held, blocks_for(1, 2))
+    first = manager.hold_prefixes([(NS, 2)], b"".join(held), ttl_s=10)
+    second = manager.hold_prefixes([(NS, 1)], b"".join(held), ttl_s=10)
+    manager.put(NS, chain(2, 2), blocks_for(2, 2))
+    manager.put(NS, chain(3, 2), blocks_for(3, 2))  # eviction reaches the held blocks and passes them over
+    manager.release_hold(first)
+    manager.put(NS, chain(4, 3), blocks_for(4, 3))  # all the room but the block still held
+    assert manager.lookup(NS, held) == [TierKind.HOST]  # the second hold keeps the first block
+    manager.release_hold(second)
+    manager.put(NS, chain(5, 4), blocks_for(5, 4))
+    assert manager.lookup(NS, held) == []

@@ -33,5 +33,5 @@ def test_the_blocks_a_scheduler_counted_are_held_until_its_load_window_has_passe
             timeout=300,
         )
     cases = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert run.returncode == 0 and len(cases) == 13, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0 and len(cases) == 14, run.stdout[-3000:] + run.stderr[-3000:]
     assert all(case["ok"] for case in cases), cases

@@ -122,6 +122,13 @@ scheduler.build_metadata(EMPTY_STEP)
 check("released once the load window has passed", holds_now() == 0)
 scheduler.finished(first)
 
+# 1b. a request that finishes right after its load's step (one token, then the engine idles)
+early = looked_up("r1b", 11)
+scheduler.after_alloc(early, blocks_of(list(range(PROMPT_BLOCKS + 1))), PROMPT_BLOCKS * BLOCK_SIZE)
+scheduler.build_metadata(EMPTY_STEP)
+scheduler.finished(early)
+check("a request that finishes releases its load's hold at once", holds_now() == 0)
+
 # 2. vLLM takes none of the hit (e.g. its own prefix cache covers it): released at once
 second = looked_up("r2", 2)
 scheduler.after_alloc(second, blocks_of([]), 0)

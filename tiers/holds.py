@@ -9,8 +9,9 @@ dropped for a failed check or a failed tier goes as always — a hold guarantees
 only that eviction does not pick the block). A hold ends when its holder releases it, at
 its deadline, or with its holder's session.
 
-Holds read no bytes and move nothing: a lookup with a hold costs a catalogue probe per
-block, never NVMe I/O.
+Holds read no bytes and move nothing, and they are kept by key beside the eviction
+policies (Residency.hold_keys): taking and releasing one costs a counter per block; only
+a held block that eviction reaches is taken out of its policy. Never NVMe I/O.
 
 Owner: the tier manager's thread (see tiers/manager.py); not thread-safe.
 """
@@ -19,10 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from kvstore.errors import NotFound
 from kvstore.hashing import HASH_BYTES
-from kvstore.tiers.catalogue import BlockEntry
 from kvstore.tiers.residency import Residency
+
+_HASHES = np.dtype(f"V{HASH_BYTES}")
 
 __all__ = ["LookupHolds"]
 
@@ -32,7 +36,7 @@ class LookupHolds:
         self._residency = residency
         self._new_id = new_id  # shared with reservations and leases: no two handles are equal
         self._clock = clock
-        self._held: dict[int, tuple[float, list[BlockEntry]]] = {}  # id → (deadline, entries)
+        self._held: dict[int, tuple[float, list[tuple[bytes, list[bytes]]]]] = {}  # id → (deadline, keys per namespace)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -40,35 +44,28 @@ class LookupHolds:
     def holds(self, hold_id: int) -> bool:
         return hold_id in self._held
 
-    @property
-    def num_blocks(self) -> int:
-        return sum(len(entries) for _, entries in self._held.values())
-
     def take(self, prefixes: Sequence[tuple[bytes, int]], chain: bytes, ttl_s: float) -> int:
         """Hold, per ``(namespace, length)`` of ``prefixes``, the first ``length`` blocks of
-        ``chain`` (concatenated 16-byte hashes) in that namespace; 0 when none is cached
-        (nothing to release). A block that is no longer cached is skipped."""
-        catalogue, residency = self._residency.catalogue, self._residency
-        entries: list[BlockEntry] = []
-        for namespace, length in prefixes:
-            for index in range(length):
-                entry = catalogue.get((namespace, chain[index * HASH_BYTES : (index + 1) * HASH_BYTES]))
-                if entry is not None:
-                    residency.hold(entry)
-                    entries.append(entry)
-        if not entries:
+        ``chain`` (concatenated 16-byte hashes) in that namespace; 0 when there is none to
+        hold (nothing to release). Holds are by key (Residency.hold_keys): a block stored
+        again under a held key while the hold lasts is held too."""
+        keys = np.frombuffer(chain, dtype=_HASHES).tolist()
+        held = [(namespace, keys[:length]) for namespace, length in prefixes if length]
+        if not held:
             return 0
+        for namespace, namespace_keys in held:
+            self._residency.hold_keys(namespace, namespace_keys)
         hold_id = self._new_id()
-        self._held[hold_id] = (self._clock() + ttl_s, entries)
+        self._held[hold_id] = (self._clock() + ttl_s, held)
         return hold_id
 
     def release(self, hold_id: int) -> None:
         try:
-            _, entries = self._held.pop(hold_id)
+            _, held = self._held.pop(hold_id)
         except KeyError:
             raise NotFound(f"hold {hold_id} does not exist; it was released, expired or never granted.") from None
-        for entry in entries:
-            self._residency.unhold(entry)
+        for namespace, keys in held:
+            self._residency.release_keys(namespace, keys)
 
     def expire(self) -> list[int]:
         """Release the holds past their deadline; their ids."""

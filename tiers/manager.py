@@ -379,7 +379,7 @@ class TierManager:
                 continue
             if idle_for_s is not None and now - entry.last_access < idle_for_s:
                 continue
-            if not entry.evictable:
+            if not entry.evictable or self._residency.lookup_held(entry):
                 skipped += 1
                 continue
             self._residency.drop(entry, RemovalReason.EXPLICIT)

@@ -3,7 +3,8 @@ eviction policy per tier, kept in step.
 
 Invariant: a block is in its tier's policy exactly when it is cached and evictable (no
 lease, hold or pin). Every change of a block's holds, pin, children or reachability goes
-through here so that the invariant holds. A hold is how the rest of the manager keeps a
+through here so that the invariant holds. Lookup holds (``hold_keys``) are kept by key
+beside the policies and applied when eviction reaches a held block. A hold is how the rest of the manager keeps a
 block from being picked while it works on it (a read lease, a move, the chain a
 reservation extends); ``unhold`` drops the block instead of returning it to its policy
 when its tier failed meanwhile, so a failed tier's blocks all go once nobody holds them.
@@ -37,6 +38,9 @@ class Residency:
         self._counters = counters
         self.catalogue = Catalogue(self._reclassify)
         self._doomed: set[BlockEntry] = set()
+        self._lookup_held: dict[bytes, dict[bytes, int]] = {}  # namespace → block hash → lookup holds on it
+        # reached by eviction while lookup-held (a key dropped and stored again: both entries)
+        self._picked_while_held: dict[tuple[bytes, bytes], list[BlockEntry]] = {}
 
     def add(self, entries: Sequence[BlockEntry]) -> None:
         """Cache new blocks. They join their policies once all of them are linked: each
@@ -47,8 +51,47 @@ class Residency:
             self._policies[entry.tier].insert(entry)
 
     def victim(self, kind: TierKind) -> BlockEntry | None:
-        """The block that ``kind``'s policy would evict next, if any may be."""
-        return self._policies[kind].victim()
+        """The block that ``kind``'s policy would evict next, if any may be. A block a
+        lookup holds (``hold_keys``) is passed over: from then on it is held like any other
+        until the last lookup hold on it ends."""
+        policy = self._policies[kind]
+        while True:
+            entry = policy.victim()
+            if entry is None or not self._lookup_held or entry.key[1] not in self._lookup_held.get(entry.key[0], ()):
+                return entry
+            self.hold(entry)  # out of the policy
+            self._picked_while_held.setdefault(entry.key, []).append(entry)
+
+    def hold_keys(self, namespace: bytes, keys: Sequence[bytes]) -> None:
+        """Keep the blocks ``keys`` of ``namespace`` from being picked (a lookup hold,
+        tiers/holds.py). Lazy: nothing changes until eviction reaches one of them, so a
+        hold costs a counter per block, not a policy update."""
+        counts = self._lookup_held.get(namespace)
+        if counts is None:  # the usual case: no other hold in this namespace
+            self._lookup_held[namespace] = dict.fromkeys(keys, 1)  # a chain's keys are distinct
+            return
+        for key in keys:
+            counts[key] = counts.get(key, 0) + 1
+
+    def release_keys(self, namespace: bytes, keys: Sequence[bytes]) -> None:
+        counts, picked = self._lookup_held.get(namespace), self._picked_while_held
+        if counts is None:
+            return
+        for key in keys:
+            remaining = counts.get(key, 0) - 1  # (a chain that repeats a key was counted once)
+            if remaining > 0:
+                counts[key] = remaining
+                continue
+            counts.pop(key, None)
+            if picked:
+                for entry in picked.pop((namespace, key), ()):
+                    self.unhold(entry)
+        if not counts:
+            del self._lookup_held[namespace]
+
+    def lookup_held(self, entry: BlockEntry) -> bool:
+        held = self._lookup_held.get(entry.key[0])
+        return held is not None and entry.key[1] in held
 
     def hold(self, entry: BlockEntry) -> None:
         if entry.evictable:

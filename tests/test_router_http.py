@@ -313,7 +313,11 @@ def test_a_streamed_response_through_the_router_is_token_identical_to_the_engine
         return "".join(choice["delta"].get("content") or "" for event in answer.events for choice in event.get("choices", []))
 
     assert len(tokens(routed)) == 24 and tokens(routed) == tokens(direct)
-    assert text(routed) == text(direct) and len(routed.events) == len(direct.events)
+    assert text(routed) == text(direct)
+    # passed through event by event, not as one body: how many events the engine makes of
+    # 24 tokens depends on its timing (it coalesces a step's outputs when it runs behind),
+    # so two requests are not compared event for event
+    assert sum(1 for event in routed.events for choice in event.get("choices", []) if choice.get("token_ids")) > 1
     assert routed.events[0]["prompt_token_ids"] == direct.events[0]["prompt_token_ids"]
     assert routed.headers["x-kvstore-prompt-digest"] == digest_of(direct.events[0]["prompt_token_ids"])
 

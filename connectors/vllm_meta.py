@@ -95,7 +95,7 @@ class ConnectorSettings:
                 raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be a string.")
         tiers = extra.get("async_load_tiers", _DEFAULT_ASYNC_LOAD_TIERS)
         loadable = {TierKind.HOST.value, TierKind.NVME.value}
-        if not isinstance(tiers, (list, tuple)) or not set(tiers) <= loadable:
+        if not isinstance(tiers, (list, tuple)) or not all(isinstance(tier, str) and tier in loadable for tier in tiers):
             raise InvalidArgument(
                 f"kv_connector_extra_config['async_load_tiers'] is a list of tiers out of {sorted(loadable)}, got {tiers!r}."
             )

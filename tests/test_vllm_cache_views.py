@@ -52,6 +52,11 @@ def test_configurations_the_connector_cannot_serve_are_refused_with_a_sentence()
         "pipeline parallel": "pipeline parallelism",
         "speculative decoding": "speculative decoding",
         "two KV cache groups": "2 groups",
+        "async_load_tiers not a list": "async_load_tiers'] is a list of tiers",
+        "async_load_tiers of an unknown tier": "async_load_tiers'] is a list of tiers",
+        "async_load_tiers of lists": "async_load_tiers'] is a list of tiers",
+        "lookup_hold_s too long": "lookup_hold_s must be a positive number of seconds, at most 600",
+        "lookup_hold_s a flag": "lookup_hold_s must be a positive number of seconds",
     }
     for name, words in said.items():
         sentence = cases[name]["refused"]

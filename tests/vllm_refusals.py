@@ -6,7 +6,8 @@ Run by test_vllm_cache_views with the vLLM venv's python: the connector's checks
 (``check_supported``, ``engine_geometry``) over configurations that differ from one it
 accepts in one field each. The configurations are plain objects with the fields the
 checks read (building real ones needs a model on disk per case); prints one JSON line
-per case with the refusal's sentence, or ``null`` for an accepted one.
+per case with the refusal's sentence, or ``null`` for an accepted one; then the same
+for ``kv_connector_extra_config`` values the connector refuses.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from types import SimpleNamespace
 
 from kvstore.connectors.vllm_compat import check_supported, engine_geometry
+from kvstore.connectors.vllm_meta import ConnectorSettings
 from kvstore.errors import InvalidArgument
 
 
@@ -50,6 +52,16 @@ CASES = {
 }
 
 
+# kv_connector_extra_config values the connector refuses (each alone)
+SETTINGS = {
+    "async_load_tiers not a list": {"async_load_tiers": "nvme"},
+    "async_load_tiers of an unknown tier": {"async_load_tiers": ["gpu"]},
+    "async_load_tiers of lists": {"async_load_tiers": [["nvme"]]},
+    "lookup_hold_s too long": {"lookup_hold_s": 601},
+    "lookup_hold_s a flag": {"lookup_hold_s": True},
+}
+
+
 def main() -> None:
     for name, (changes, kv_cache_config) in CASES.items():
         vllm_config = config(**changes)
@@ -57,6 +69,12 @@ def main() -> None:
             check_supported(vllm_config, kv_cache_config)
             geometry = engine_geometry(vllm_config, None)
             print(json.dumps({"case": name, "refused": None, "dtype": geometry.dtype}))
+        except InvalidArgument as exc:
+            print(json.dumps({"case": name, "refused": str(exc)}))
+    for name, extra in SETTINGS.items():
+        try:
+            ConnectorSettings.from_extra_config(extra)
+            print(json.dumps({"case": name, "refused": None}))
         except InvalidArgument as exc:
             print(json.dumps({"case": name, "refused": str(exc)}))
 

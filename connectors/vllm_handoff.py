@@ -231,9 +231,7 @@ class HandoffReceiver:
             # the prefill instance must have hashed the same tokens: only the agreeing prefix is used
             usable = next((k for k, (ours, theirs) in enumerate(zip(spec.hashes, sent)) if ours != theirs), len(sent))
             runs = runs_of(spec.block_ids[:usable], receiving.views[first : first + usable], self._copier.block_bytes)
-            self._copy_in(
-                self._copier.load, runs, lambda layer: client.handoff_wait_layers(spec.transfer_id, layer + 1, timeout_s=self._timeout_s)
-            )
+            self._copy_in(runs, lambda layer: client.handoff_wait_layers(spec.transfer_id, layer + 1, timeout_s=self._timeout_s))
         except Exception as exc:  # a transfer or a copy that broke: nothing of it is trusted
             return self._failed(spec, spec.block_ids, exc)
         finally:
@@ -257,7 +255,7 @@ class HandoffReceiver:
             return self._failed(spec, spec.block_ids, exc)
         loaded = lease.num_blocks
         try:
-            self._copy_in(self._copier.load, runs_of(spec.block_ids[:loaded], lease.views, self._copier.block_bytes))
+            self._copy_in(runs_of(spec.block_ids[:loaded], lease.views, self._copier.block_bytes))
         except Exception as exc:  # a copy that broke: nothing of it is trusted
             return self._failed(spec, spec.block_ids, exc)
         finally:
@@ -270,7 +268,7 @@ class HandoffReceiver:
             return self._failed(spec, spec.block_ids[loaded:], "no longer loadable (evicted, or failed its checksum)")
         return set()
 
-    def _copy_in(self, load, runs: list[BlockRun], before_layer=None) -> None:
+    def _copy_in(self, runs: list[BlockRun], before_layer=None) -> None:
         """Every layer of ``runs`` into the engine's caches; on CUDA on this thread's own
         stream, done before this returns (the engine reads the blocks once told)."""
         if not runs:
@@ -279,7 +277,7 @@ class HandoffReceiver:
             for layer, cache in enumerate(self._caches):
                 if before_layer is not None:
                     before_layer(layer)
-                load(cache, layer, runs)
+                self._copier.load(cache, layer, runs)
         if self._stream is not None:
             self._stream.synchronize()
 

@@ -148,8 +148,7 @@ class SchedulerSide:
         if state is None:
             return
         if num_external_tokens <= 0:
-            self._release(state.hold_id)  # vLLM took none of the hit
-            state.hold_id = 0
+            self._drop_hold(state)  # vLLM took none of the hit
             return
         if state.hold_id and not state.loads_async:
             self._loading_holds.append(state.hold_id)  # released once this step's loads are done
@@ -210,7 +209,7 @@ class SchedulerSide:
             return None
         # looked up and never loaded, or loaded in a step whose output vLLM has: an engine
         # that goes idle after this request leaves nothing held
-        self._release(state.hold_id)
+        self._drop_hold(state)
         if state.load_hold:
             for holds in (self._loading_holds, *self._holds_in_flight):
                 if state.load_hold in holds:
@@ -262,9 +261,7 @@ class SchedulerSide:
         waiting to be released go in the same round trip."""
         self.counters.lookups += 1
         per_rank: list[tuple[TierKind, ...]] = []
-        if state.hold_id:
-            self._holds_to_release.append(state.hold_id)
-            state.hold_id = 0
+        self._drop_hold(state)
         release, self._holds_to_release = self._holds_to_release, []
         try:
             held = self._client.lookup_held(self._digests, hashes, self._settings.lookup_hold_s, release)
@@ -284,6 +281,11 @@ class SchedulerSide:
         if hold_id:
             self._holds_to_release.append(hold_id)
 
+    def _drop_hold(self, state: _Request) -> None:
+        """Let go of the request's lookup hold, if it has one (released with the next round trip)."""
+        self._release(state.hold_id)
+        state.hold_id = 0
+
     def _flush_releases(self) -> None:
         """Send the releases no lookup of this step carried (one notice, no answer awaited).
         A daemon that is away has ended the holds with their connection already."""
@@ -301,9 +303,7 @@ class SchedulerSide:
         state = self._requests.get(scheduled.req_id)
         if state is None or not state.keyed:
             return None
-        if state.hold_id:  # scheduled: its asynchronous load is over (or vLLM took no hit)
-            self._release(state.hold_id)
-            state.hold_id = 0
+        self._drop_hold(state)  # scheduled: an asynchronous load's is over
         if scheduled.block_ids is not None:
             if scheduled.replaces_block_ids:
                 state.block_ids = list(scheduled.block_ids)

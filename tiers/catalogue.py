@@ -37,6 +37,11 @@ _HASHES = np.dtype(f"V{HASH_BYTES}")  # a void dtype keeps trailing zero bytes, 
 BlockKey = tuple[bytes, BlockHash]  # (namespace digest, chain hash)
 
 
+def chain_keys(chain: bytes) -> list[bytes]:
+    """The block hashes of a chain given concatenated (split by numpy, in C)."""
+    return np.frombuffer(chain, dtype=_HASHES).tolist()
+
+
 class BlockEntry:
     __slots__ = (
         "key",
@@ -135,7 +140,7 @@ class Catalogue:
         if ranks is None:
             return b""
         # numpy splits the chain in C; the dict is probed in C, a miss read as _ABSENT
-        found = bytes(map(ranks.get, np.frombuffer(chain, dtype=_HASHES).tolist(), itertools.repeat(_ABSENT)))
+        found = bytes(map(ranks.get, chain_keys(chain), itertools.repeat(_ABSENT)))
         end = found.find(_ABSENT)
         return found if end < 0 else found[:end]
 

@@ -3,8 +3,8 @@ counted them has loaded them.
 
 An engine's scheduler asks what is cached, promises that many tokens to the engine, and a
 worker loads them a step later; meanwhile another engine's saves could evict them, and
-the promised load would come up short. A hold taken by the lookup keeps each reported
-block out of its tier's eviction policy (it may still move between tiers, and a block
+the promised load would come up short. A hold taken by the lookup keeps eviction and
+demotion from picking each reported block (it may still be promoted, and a block
 dropped for a failed check or a failed tier goes as always — a hold guarantees no bytes,
 only that eviction does not pick the block). A hold ends when its holder releases it, at
 its deadline, or with its holder's session.
@@ -20,13 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from kvstore.errors import NotFound
-from kvstore.hashing import HASH_BYTES
+from kvstore.tiers.catalogue import chain_keys
 from kvstore.tiers.residency import Residency
-
-_HASHES = np.dtype(f"V{HASH_BYTES}")
 
 __all__ = ["LookupHolds"]
 
@@ -49,7 +45,7 @@ class LookupHolds:
         ``chain`` (concatenated 16-byte hashes) in that namespace; 0 when there is none to
         hold (nothing to release). Holds are by key (Residency.hold_keys): a block stored
         again under a held key while the hold lasts is held too."""
-        keys = np.frombuffer(chain, dtype=_HASHES).tolist()
+        keys = chain_keys(chain)
         held = [(namespace, keys[:length]) for namespace, length in prefixes if length]
         if not held:
             return 0

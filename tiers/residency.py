@@ -3,11 +3,12 @@ eviction policy per tier, kept in step.
 
 Invariant: a block is in its tier's policy exactly when it is cached and evictable (no
 lease, hold or pin). Every change of a block's holds, pin, children or reachability goes
-through here so that the invariant holds. Lookup holds (``hold_keys``) are kept by key
-beside the policies and applied when eviction reaches a held block. A hold is how the rest of the manager keeps a
+through here so that the invariant holds. A hold is how the rest of the manager keeps a
 block from being picked while it works on it (a read lease, a move, the chain a
 reservation extends); ``unhold`` drops the block instead of returning it to its policy
 when its tier failed meanwhile, so a failed tier's blocks all go once nobody holds them.
+Lookup holds (``hold_keys``) are kept by key beside the policies and become holds only
+when eviction reaches a held block.
 
 A block dropped while held (it failed verification, its tier failed) leaves the
 catalogue at once, so nobody new finds it, but its slot is freed only when its last
@@ -57,7 +58,7 @@ class Residency:
         policy = self._policies[kind]
         while True:
             entry = policy.victim()
-            if entry is None or not self._lookup_held or entry.key[1] not in self._lookup_held.get(entry.key[0], ()):
+            if entry is None or not self.lookup_held(entry):
                 return entry
             self.hold(entry)  # out of the policy
             self._picked_while_held.setdefault(entry.key, []).append(entry)

@@ -110,6 +110,10 @@ class ServerConfig:
     # "auto": uvloop where it is installed (a dependency on Linux and macOS; a local round
     # trip costs ~20 µs less than on asyncio's own loop), else asyncio's; or either by name
     event_loop: str = "auto"
+    # the survivors of every full garbage collection are frozen, so a collection walks only
+    # what is new (kvstore/gcpolicy.py); every this many seconds everything is thawed and
+    # collected once (cyclic garbage among frozen objects). 0: never; -1: CPython's own policy
+    gc_full_interval_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.socket_mode not in (0o600, 0o660):
@@ -124,6 +128,11 @@ class ServerConfig:
             raise ConfigError(f"server.drain_timeout_s must not be negative, got {self.drain_timeout_s}.")
         if not 0.1 <= self.loop_lag_interval_ms <= 60_000:
             raise ConfigError(f"server.loop_lag_interval_ms must lie in [0.1, 60000], got {self.loop_lag_interval_ms}.")
+        if not (self.gc_full_interval_s in (-1, 0) or 60 <= self.gc_full_interval_s <= 7 * 86_400):
+            raise ConfigError(
+                "server.gc_full_interval_s must be -1 (CPython's own collector), 0 (never thaw) or lie in [60, 604800] seconds, "
+                f"got {self.gc_full_interval_s}."
+            )
         if self.event_loop not in ("auto", "uvloop", "asyncio"):
             raise ConfigError(f"server.event_loop must be 'auto', 'uvloop' or 'asyncio', got {self.event_loop!r}.")
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from kvstore.config import DaemonConfig
 from kvstore.engines import EngineMetrics, EngineSubscriptions
 from kvstore.errors import KVStoreError, TierUnavailable
+from kvstore.gcpolicy import GcPolicy
 from kvstore.index.backends import open_index
 from kvstore.index.base import NodeInfo
 from kvstore.local_server import LocalServer
@@ -167,7 +168,16 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         transport_address or "off",
         metrics_port,
     )
-    housekeeping = asyncio.create_task(_housekeeping(node, transfers, lambda: engine_metrics.update(engines), stop))
+    interval = server_config.gc_full_interval_s
+    gc_policy = GcPolicy(max(0.0, interval), metrics.gc_pause, freeze=interval >= 0)
+    gc_policy.install()
+
+    def refresh() -> None:
+        engine_metrics.update(engines)
+        gc_policy.housekeeping()
+        metrics.gc_frozen(gc_policy.frozen_objects)
+
+    housekeeping = asyncio.create_task(_housekeeping(node, transfers, refresh, stop))
     demotion = asyncio.create_task(_demotion(manager, stop))
     probing = asyncio.create_task(_probe_loop_lag(metrics, server_config.loop_lag_interval_ms / 1000, stop))
     if ready is not None:
@@ -198,6 +208,7 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
             logger.exception("moving memory blocks to NVMe failed; the ones not moved are lost to the restart")
         finally:
             manager.close()
+            gc_policy.uninstall()
             socket_path.unlink(missing_ok=True)
             state_path_for(socket_path).unlink(missing_ok=True)
         logger.info("stopped")
@@ -210,11 +221,11 @@ async def _attempt(what: str, step) -> None:
         logger.exception("%s failed; stopping anyway", what)
 
 
-async def _housekeeping(node: Node, transfers: TransferService | None, refresh_engines, stop: asyncio.Event) -> None:
+async def _housekeeping(node: Node, transfers: TransferService | None, refresh, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
             node.housekeeping()
-            refresh_engines()
+            refresh()
             if transfers is not None:
                 transfers.housekeeping()
         except Exception:  # a failed tick must not stop the daemon

@@ -33,6 +33,7 @@ __all__ = ["Metrics"]
 _RANKS = tuple(tier.rank for tier in TierKind)
 _MISS = -1  # the "rank" under which a lookup's missed blocks are counted
 _LATENCY_BOUNDS = (50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.1, 0.5, 1.0, 5.0)
+_GC_BOUNDS = (1e-4, 1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5)
 _COUNTER_NAME = re.compile(r"^(evicted|promoted|demoted|hit_blocks|corrupt|tier_failed|free_errors)_(.+)$")
 
 
@@ -108,16 +109,38 @@ class Metrics:
 
     def observe(self, rpc: str, seconds: float) -> None:
         """A request of ``rpc`` took ``seconds`` to serve."""
-        latencies = self._requests.latencies
-        counts = latencies.get(rpc)
-        if counts is None:
-            counts = latencies[rpc] = [0] * (len(_LATENCY_BOUNDS) + 1) + [0.0]  # per bucket, then the sum
-        counts[bisect.bisect_left(_LATENCY_BOUNDS, seconds)] += 1
-        counts[-1] += seconds
+        _observe(self._requests.latencies, rpc, _LATENCY_BOUNDS, seconds)
+
+    def gc_pause(self, generation: int, seconds: float) -> None:
+        """A garbage collection of ``generation`` stopped the daemon for ``seconds``. Called
+        from inside the collector, so it takes no lock (a lock held by the code the
+        collection interrupted would never be given back)."""
+        _observe(self._requests.gc_pauses, str(generation), _GC_BOUNDS, seconds)
+
+    def gc_frozen(self, count: int) -> None:
+        self._requests.gc_frozen = count
 
     # -- housekeeping -------------------------------------------------------------------
     def refresh(self, manager: TierManager) -> None:
         self._snapshot.update(manager)
+
+
+def _observe(histograms: dict[str, list], label: str, bounds: tuple[float, ...], seconds: float) -> None:
+    counts = histograms.get(label)
+    if counts is None:
+        counts = histograms[label] = [0] * (len(bounds) + 1) + [0.0]  # per bucket, then the sum
+    counts[bisect.bisect_left(bounds, seconds)] += 1
+    counts[-1] += seconds
+
+
+def _histogram(family: HistogramMetricFamily, histograms: dict[str, list], bounds: tuple[float, ...]) -> HistogramMetricFamily:
+    for label, counts in [(label, list(counts)) for label, counts in list(histograms.items())]:
+        cumulative, buckets = 0, []
+        for bound, count in zip((*bounds, float("inf")), counts):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        family.add_metric([label], buckets, counts[-1])
+    return family
 
 
 class _RequestPath(Collector):
@@ -128,6 +151,8 @@ class _RequestPath(Collector):
     def __init__(self) -> None:
         self.lookups: dict[tuple[bytes, int], list[int]] = {}  # (namespace, tier rank or _MISS) -> [blocks, tokens]
         self.latencies: dict[str, list] = {}  # rpc -> [count per bucket…, +Inf bucket, sum of seconds]
+        self.gc_pauses: dict[str, list] = {}  # generation -> the same
+        self.gc_frozen = 0
 
     def collect(self) -> Iterator:
         blocks = CounterMetricFamily(
@@ -143,13 +168,14 @@ class _RequestPath(Collector):
         yield blocks
         yield tokens
         seconds = HistogramMetricFamily("kvstore_request_seconds", "Time to serve a request, by operation.", labels=["rpc"])
-        for rpc, counts in [(rpc, list(counts)) for rpc, counts in list(self.latencies.items())]:
-            cumulative, buckets = 0, []
-            for bound, count in zip((*_LATENCY_BOUNDS, float("inf")), counts):
-                cumulative += count
-                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-            seconds.add_metric([rpc], buckets, counts[-1])
-        yield seconds
+        yield _histogram(seconds, self.latencies, _LATENCY_BOUNDS)
+        pauses = HistogramMetricFamily(
+            "kvstore_gc_pause_seconds", "How long each garbage collection stopped the daemon, by generation.", labels=["generation"]
+        )
+        yield _histogram(pauses, self.gc_pauses, _GC_BOUNDS)
+        yield GaugeMetricFamily(
+            "kvstore_gc_frozen_objects", "Objects moved out of the collector's reach (kvstore/gcpolicy.py).", value=self.gc_frozen
+        )
 
 
 class _Snapshot(Collector):

@@ -83,6 +83,13 @@ class Index(abc.ABC):
         """For each live node (of ``node_ids``, when given) holding at least the first
         block: the longest prefix of ``hashes`` it holds. Best match first."""
 
+    async def match_many(
+        self, namespace: bytes, chains: Sequence[Sequence[BlockHash]], node_ids: Collection[str] | None = None
+    ) -> list[list[NodeMatch]]:
+        """`match` of each chain, answers in the order of ``chains``; a networked backend
+        answers several chains in one round trip."""
+        return [await self.match(namespace, hashes, node_ids) for hashes in chains]
+
     @abc.abstractmethod
     async def nodes(self) -> list[NodeInfo]:
         """The nodes whose lease is current."""

@@ -237,14 +237,12 @@ class RedisIndex(Index):
             reply = await self._redis.run(redis_scripts.MATCH, (self._space(namespace),), (chain, view.next_num, *states))
         return _matches(reply, by_num)
 
-    async def match_many(
-        self, namespace: bytes, chains: Sequence[Sequence[BlockHash]], node_ids: Collection[str] | None = None
-    ) -> list[list[NodeMatch]]:
-        """`match` of each chain, the MATCH scripts sent in pipelines of at most
+    async def match_many(self, namespace: bytes, chains: Sequence[bytes], node_ids: Collection[str] | None = None) -> list[list[NodeMatch]]:
+        """`match` of each packed chain, the MATCH scripts sent in pipelines of at most
         MAX_CHAIN_BLOCKS hashes in all: one round trip per pipeline (and the registry view's
-        when it is stale), however many chains."""
+        when it is stale), however many chains; the packed chains go to Redis as they are."""
         _check_namespace(namespace)
-        joined = [_joined(_bounded(hashes)) for hashes in chains]
+        joined = [_packed(chain) for chain in chains]
         answers: list[list[NodeMatch]] = [[] for _ in joined]
         with self._redis.translated(f"a match of {len(joined)} chains"):
             view = await self._current_view()
@@ -404,6 +402,14 @@ def _bounded(hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
     if len(hashes) > MAX_CHAIN_BLOCKS:
         raise InvalidArgument(f"a chain holds at most {MAX_CHAIN_BLOCKS} blocks, got {len(hashes)}.")
     return hashes
+
+
+def _packed(chain: bytes) -> bytes:
+    if not isinstance(chain, bytes) or len(chain) % HASH_BYTES:
+        raise InvalidArgument(f"a packed chain is bytes, a whole number of {HASH_BYTES}-byte block keys.")
+    if len(chain) > MAX_CHAIN_BLOCKS * HASH_BYTES:
+        raise InvalidArgument(f"a chain holds at most {MAX_CHAIN_BLOCKS} blocks, got {len(chain) // HASH_BYTES}.")
+    return chain
 
 
 def _match_states(view: _View, node_ids: Collection[str] | None) -> tuple[list, dict[int, str]]:

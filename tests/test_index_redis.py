@@ -474,19 +474,22 @@ def test_match_many_answers_each_chain_as_match_does_in_one_round_trip(redis_ser
         await index.publish("n1", [stored(NS_A, long[:2500], HOST)])
         await index.publish("n2", [stored(NS_A, long[:10], HBM), stored(NS_A, short, NVME)])
         chains = [long, [], short, chain(5, seed=8), long[:100]]
+        packed = [b"".join(hashes) for hashes in chains]
         singly = [summary(await index.match(NS_A, hashes)) for hashes in chains]
         before = index.num_round_trips
-        assert [summary(m) for m in await index.match_many(NS_A, chains)] == singly  # the view is cached
+        assert [summary(m) for m in await index.match_many(NS_A, packed)] == singly  # the view is cached
         assert index.num_round_trips - before == 1
-        assert [summary(m) for m in await index.match_many(NS_A, chains, node_ids=["n2"])] == [
+        assert [summary(m) for m in await index.match_many(NS_A, packed, node_ids=["n2"])] == [
             summary(await index.match(NS_A, hashes, ["n2"])) for hashes in chains
         ]
         monkeypatch.setattr("kvstore.index.redis.MAX_CHAIN_BLOCKS", 3000)  # chains of 3000 + 40 + 5 + 100 blocks
         before = index.num_round_trips
-        assert [summary(m) for m in await index.match_many(NS_A, chains)] == singly
+        assert [summary(m) for m in await index.match_many(NS_A, packed)] == singly
         assert index.num_round_trips - before == 2  # one pipeline per MAX_CHAIN_BLOCKS hashes
         with pytest.raises(InvalidArgument):
-            await index.match_many(NS_A, [short, chain(3001, seed=9)])
+            await index.match_many(NS_A, [packed[2], b"".join(chain(3001, seed=9))])
+        with pytest.raises(InvalidArgument):
+            await index.match_many(NS_A, [packed[2][:-1]])
         await index.close()
 
     asyncio.run(scenario())

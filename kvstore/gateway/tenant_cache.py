@@ -164,9 +164,7 @@ class TenantCache:
         if not remembered:
             return {}
         distinct = sorted({chain for _tenant, chain in remembered})
-        answers = await self._index.match_many(
-            self._namespace.digest, [[chain[i : i + HASH_BYTES] for i in range(0, len(chain), HASH_BYTES)] for chain in distinct]
-        )
+        answers = await self._index.match_many(self._namespace.digest, distinct)
         resident_blocks = {chain: max((m.num_blocks for m in matches), default=0) for chain, matches in zip(distinct, answers)}
         resident = [(tenant, chain[: resident_blocks[chain] * HASH_BYTES]) for tenant, chain in remembered]
         found = attribute(resident, self._block_bytes)

@@ -10,7 +10,9 @@ For each ``/v1/completions`` or ``/v1/chat/completions`` request the router
    tier, and lets the production cost model (kvstore.router.Router over
    kvstore.index.scoring) choose, with the load the router tracks and the session's
    affinity (kept in the index backend, so router replicas agree);
-4. forwards the body untouched and streams the answer back chunk by chunk.
+4. forwards the body untouched and streams the answer back chunk by chunk;
+5. remembers the chain under the request's tenant label, for the cache bytes held per
+   tenant that a background task measures against the index (tenant_cache.py).
 
 A replica that refuses the connection, times out before its first byte, or answers 5xx
 is excluded and the request routed again, at most ``max_attempts`` replicas in all; the

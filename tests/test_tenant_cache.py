@@ -15,6 +15,7 @@ import pytest
 from daemon_harness import daemons
 from engine_proc import LAYOUT, NAMESPACE
 
+from kvstore.errors import IndexUnavailable
 from kvstore.events import BlockRemoved, BlockStored, RemovalReason
 from kvstore.gateway.metrics import RouterMetrics
 from kvstore.gateway.tenant_cache import RecentChains, TenantCache, TenantShare, attribute
@@ -148,6 +149,37 @@ def test_a_refresh_sets_each_tenants_gauges_from_the_index_and_eviction_lowers_t
         assert gauges(metrics, "a") == gauges(metrics, "b") == (0, 0)
 
     asyncio.run(scenario())
+
+
+class FlakyIndex(EmbeddedIndex):
+    """The in-process index, unreachable for its first ``num_failures`` batched matches."""
+
+    def __init__(self, num_failures: int) -> None:
+        super().__init__()
+        self.num_failures = num_failures
+
+    async def match_many(self, namespace, chains, node_ids=None):
+        if self.num_failures > 0:
+            self.num_failures -= 1
+            raise IndexUnavailable("the index is down for this test")
+        return await super().match_many(namespace, chains, node_ids)
+
+
+def test_the_background_task_outlives_an_unreachable_index():
+    async def scenario():
+        index = FlakyIndex(num_failures=3)
+        await index.register(NodeInfo("n1"), lease_ttl_s=60)
+        await index.publish("n1", [stored(keys(tokens(1, 3)))])
+        metrics = RouterMetrics(["n1"], max_tenants=4)
+        cache = TenantCache(RecentChains(8, 1000), index, NAMESPACE, metrics)
+        cache.recent.record("a", keys(tokens(1, 3)))
+        task = asyncio.create_task(cache.run(0.01))
+        while gauges(metrics, "a") == (None, None) and not task.done():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        assert index.num_failures == 0 and gauges(metrics, "a") == (3 * LAYOUT.block_bytes, 3)
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
 
 
 def save(daemon, seed: int, num_blocks: int) -> None:

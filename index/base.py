@@ -23,8 +23,9 @@ import abc
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from kvstore.errors import InvalidArgument
 from kvstore.events import BlockEvent
-from kvstore.hashing import BlockHash
+from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.tier_kind import TierKind
 
 __all__ = ["NodeInfo", "NodeMatch", "SessionAffinity", "Index", "SessionStore"]
@@ -82,6 +83,17 @@ class Index(abc.ABC):
     async def match(self, namespace: bytes, hashes: Sequence[BlockHash], node_ids: Collection[str] | None = None) -> list[NodeMatch]:
         """For each live node (of ``node_ids``, when given) holding at least the first
         block: the longest prefix of ``hashes`` it holds. Best match first."""
+
+    async def match_many(self, namespace: bytes, chains: Sequence[bytes], node_ids: Collection[str] | None = None) -> list[list[NodeMatch]]:
+        """`match` of each chain, given packed: its block keys joined (``b"".join(hashes)``,
+        HASH_BYTES each); answers in the order of ``chains``. A networked backend answers
+        several chains in one round trip."""
+        answers = []
+        for chain in chains:
+            if len(chain) % HASH_BYTES:
+                raise InvalidArgument(f"a packed chain is a whole number of {HASH_BYTES}-byte block keys, got {len(chain)} bytes.")
+            answers.append(await self.match(namespace, [chain[i : i + HASH_BYTES] for i in range(0, len(chain), HASH_BYTES)], node_ids))
+        return answers
 
     @abc.abstractmethod
     async def nodes(self) -> list[NodeInfo]:

@@ -226,33 +226,46 @@ class RedisIndex(Index):
         its tier run) a node's prefix may be reported longer than it is — never shorter,
         never across MATCH_STRIDE missing blocks in a row; fetching it is then a miss."""
         _check_namespace(namespace)
-        if len(hashes) > MAX_CHAIN_BLOCKS:
-            raise InvalidArgument(f"a chain holds at most {MAX_CHAIN_BLOCKS} blocks, got {len(hashes)}.")
-        chain = _joined(hashes)
+        chain = _joined(_bounded(hashes))
         if not chain:
             return []
         with self._redis.translated("match"):
             view = await self._current_view()
-            now = time.monotonic()
-            wanted = None if node_ids is None else set(node_ids)
-            states, by_num = [], {}
-            for node in view.nodes:
-                live = node.lease_deadline > now
-                if live and (wanted is None or node.info.node_id in wanted):
-                    state = "c"
-                    by_num[node.num] = node.info.node_id
-                else:
-                    # a lease seen gone is gone for good (a comeback gets a new epoch);
-                    # a deadline passed only by our clock is not proof
-                    state = "d" if node.lease_deadline == -math.inf else "l"
-                states += (node.num, node.epoch, state)
+            states, by_num = _match_states(view, node_ids)
             if not by_num:
                 return []
-            args = (chain, view.next_num, *states)
-            reply = await self._redis.run(redis_scripts.MATCH, (self._space(namespace),), args)
-        matches = [NodeMatch(by_num[int(runs[0])], _decode_runs(runs[2:])) for runs in reply[1:]]
-        matches.sort(key=lambda m: (-m.num_blocks, m.node_id))  # the embedded index's order
-        return matches
+            reply = await self._redis.run(redis_scripts.MATCH, (self._space(namespace),), (chain, view.next_num, *states))
+        return _matches(reply, by_num)
+
+    async def match_many(self, namespace: bytes, chains: Sequence[bytes], node_ids: Collection[str] | None = None) -> list[list[NodeMatch]]:
+        """`match` of each packed chain, the MATCH scripts sent in pipelines of at most
+        MAX_CHAIN_BLOCKS hashes in all: one round trip per pipeline (and the registry view's
+        when it is stale), however many chains; the packed chains go to Redis as they are."""
+        _check_namespace(namespace)
+        joined = [_packed(chain) for chain in chains]
+        answers: list[list[NodeMatch]] = [[] for _ in joined]
+        with self._redis.translated(f"a match of {len(joined)} chains"):
+            view = await self._current_view()
+            states, by_num = _match_states(view, node_ids)
+            if not by_num:
+                return answers
+            space = (self._space(namespace),)
+            batches: list[list[int]] = [[]]
+            size = 0
+            for i, chain in enumerate(joined):
+                if not chain:
+                    continue
+                if batches[-1] and size + len(chain) > MAX_CHAIN_BLOCKS * HASH_BYTES:
+                    batches.append([])
+                    size = 0
+                batches[-1].append(i)
+                size += len(chain)
+            for batch in batches:
+                if batch:
+                    replies = await self._redis.run_many([(redis_scripts.MATCH, space, (joined[i], view.next_num, *states)) for i in batch])
+                    for i, reply in zip(batch, replies):
+                        answers[i] = _matches(reply, by_num)
+        return answers
 
     async def nodes(self) -> list[NodeInfo]:
         with self._redis.translated("a listing of nodes"):
@@ -383,6 +396,46 @@ def _check_node_id(node_id: str) -> None:
 def _check_namespace(namespace: bytes) -> None:
     if not isinstance(namespace, bytes) or not 0 < len(namespace) <= 64:
         raise InvalidArgument("a namespace is a digest of 1 to 64 bytes (Namespace.digest).")
+
+
+def _bounded(hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
+    if len(hashes) > MAX_CHAIN_BLOCKS:
+        raise InvalidArgument(f"a chain holds at most {MAX_CHAIN_BLOCKS} blocks, got {len(hashes)}.")
+    return hashes
+
+
+def _packed(chain: bytes) -> bytes:
+    if not isinstance(chain, bytes) or len(chain) % HASH_BYTES:
+        raise InvalidArgument(f"a packed chain is bytes, a whole number of {HASH_BYTES}-byte block keys.")
+    if len(chain) > MAX_CHAIN_BLOCKS * HASH_BYTES:
+        raise InvalidArgument(f"a chain holds at most {MAX_CHAIN_BLOCKS} blocks, got {len(chain) // HASH_BYTES}.")
+    return chain
+
+
+def _match_states(view: _View, node_ids: Collection[str] | None) -> tuple[list, dict[int, str]]:
+    """MATCH's (num, epoch, state) arguments for every node of ``view``, and the node id of
+    each candidate's number: the live nodes, of ``node_ids`` when given."""
+    now = time.monotonic()
+    wanted = None if node_ids is None else set(node_ids)
+    states: list = []
+    by_num: dict[int, str] = {}
+    for node in view.nodes:
+        live = node.lease_deadline > now
+        if live and (wanted is None or node.info.node_id in wanted):
+            state = "c"
+            by_num[node.num] = node.info.node_id
+        else:
+            # a lease seen gone is gone for good (a comeback gets a new epoch);
+            # a deadline passed only by our clock is not proof
+            state = "d" if node.lease_deadline == -math.inf else "l"
+        states += (node.num, node.epoch, state)
+    return states, by_num
+
+
+def _matches(reply: Sequence, by_num: dict[int, str]) -> list[NodeMatch]:
+    matches = [NodeMatch(by_num[int(runs[0])], _decode_runs(runs[2:])) for runs in reply[1:]]
+    matches.sort(key=lambda m: (-m.num_blocks, m.node_id))  # the embedded index's order
+    return matches
 
 
 def _joined(hashes: Sequence[BlockHash]) -> bytes:

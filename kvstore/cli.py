@@ -355,6 +355,13 @@ def _print_router(document: dict) -> None:
     cv = document["hit_rate_cv"]
     click.echo(f"hit-rate spread across replicas: std {document['hit_rate_std']:.3f}, CV {'-' if cv is None else f'{cv:.3f}'}")
     click.echo(f"decisions {document['decisions']}  session moves {document['session_moves']}")
+    if document["tenants"]:
+        columns = ["tenant", "prompt tokens", "prefill tokens", "cached tokens", "cache bytes held", "cache blocks"]
+        rows = [
+            [name, t["prompt_tokens"], t["prefill_tokens"], t["cached_tokens"], _size(t["cache_bytes"]), t["cache_blocks"]]
+            for name, t in document["tenants"].items()
+        ]
+        _table(columns, rows)
 
 
 @main.command()

@@ -465,6 +465,36 @@ def test_round_trips_per_publish_and_match(redis_server):
     asyncio.run(scenario())
 
 
+def test_match_many_answers_each_chain_as_match_does_in_one_round_trip(redis_server, monkeypatch):
+    async def scenario():
+        index = new_index(redis_server)
+        long, short = chain(3000, seed=6), chain(40, seed=7)
+        await index.register(NodeInfo("n1"), lease_ttl_s=30)
+        await index.register(NodeInfo("n2"), lease_ttl_s=30)
+        await index.publish("n1", [stored(NS_A, long[:2500], HOST)])
+        await index.publish("n2", [stored(NS_A, long[:10], HBM), stored(NS_A, short, NVME)])
+        chains = [long, [], short, chain(5, seed=8), long[:100]]
+        packed = [b"".join(hashes) for hashes in chains]
+        singly = [summary(await index.match(NS_A, hashes)) for hashes in chains]
+        before = index.num_round_trips
+        assert [summary(m) for m in await index.match_many(NS_A, packed)] == singly  # the view is cached
+        assert index.num_round_trips - before == 1
+        assert [summary(m) for m in await index.match_many(NS_A, packed, node_ids=["n2"])] == [
+            summary(await index.match(NS_A, hashes, ["n2"])) for hashes in chains
+        ]
+        monkeypatch.setattr("kvstore.index.redis.MAX_CHAIN_BLOCKS", 3000)  # chains of 3000 + 40 + 5 + 100 blocks
+        before = index.num_round_trips
+        assert [summary(m) for m in await index.match_many(NS_A, packed)] == singly
+        assert index.num_round_trips - before == 2  # one pipeline per MAX_CHAIN_BLOCKS hashes
+        with pytest.raises(InvalidArgument):
+            await index.match_many(NS_A, [packed[2], b"".join(chain(3001, seed=9))])
+        with pytest.raises(InvalidArgument):
+            await index.match_many(NS_A, [packed[2][:-1]])
+        await index.close()
+
+    asyncio.run(scenario())
+
+
 def test_redis_cluster_routes_every_call_to_the_shard_of_its_tag(tmp_path):
     binary = find_redis_server()
     if binary is None:

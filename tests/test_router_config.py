@@ -55,6 +55,7 @@ def test_the_router_reads_its_section_and_the_daemon_skips_it(tmp_path):
     path.write_text(CONFIG)
     config = load_router_config(path, {"port": "9002"}, [ReplicaConfig("http://10.0.0.2:8000", "gpu-2")])
     assert (config.port, config.session_header, config.max_body_bytes) == (9002, "x-agent-session", 2 * 1024**2)
+    assert (config.tenant_cache_interval_s, config.tenant_cache_chains, config.tenant_cache_blocks) == (15.0, 64, 32_768)
     assert [r.node_id for r in config.replicas] == ["gpu-1", "gpu-2"]
     assert config.routing.margin_s == 1.5 and config.routing.remote_fetch is False
     # the namespace the vLLM connector registers for this model (HND planes, rank 0 of 1)
@@ -69,6 +70,10 @@ def test_the_router_reads_its_section_and_the_daemon_skips_it(tmp_path):
         ({"max_attempts": "0"}, "router.max_attempts"),
         ({"no_such_setting": "1"}, "unknown setting router.no_such_setting"),
         ({"session_header": "X-Session"}, "lower-case"),
+        ({"tenant_cache_interval_s": "0"}, "router.tenant_cache_interval_s must be a positive number of seconds, got 0.0."),
+        ({"tenant_cache_chains": "-1"}, "router.tenant_cache_chains must be positive, got -1."),
+        ({"tenant_cache_blocks": "ten"}, "router.tenant_cache_blocks must be a number, got 'ten'."),
+        ({"tenant_cache_blocks": str(2**18 + 1)}, "router.tenant_cache_blocks must be at most 262144"),
     ],
 )
 def test_bad_router_settings_are_named(tmp_path, change, words):
@@ -141,6 +146,8 @@ def _exposed_metric_names() -> set[str]:
     metrics.session_moves.labels("retry").inc()
     metrics.retries.labels("r2", "connect").inc()
     metrics.healthy.labels("r1").set(1)
+    metrics.tenant_cache_bytes.labels("tenant").set(1 << 20)
+    metrics.tenant_cache_blocks.labels("tenant").set(8)
     text = generate_latest(metrics.registry).decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 
@@ -154,8 +161,16 @@ def test_every_metric_the_grafana_dashboard_queries_exists():
     assert len(queried) >= 12
     assert queried <= exposed, sorted(queried - exposed)
     # the list: TTFT, prompt and computed tokens, hit rate and spread, decisions, moves, tenants
-    for needed in ("ttft_seconds_bucket", "prefill_tokens_sum", "hit_rate_spread", "decisions_total", "session_moves_total"):
-        assert f"kvstore_router_{needed}" in queried
+    names = (
+        "ttft_seconds_bucket",
+        "prefill_tokens_sum",
+        "hit_rate_spread",
+        "decisions_total",
+        "session_moves_total",
+        "tenant_cache_bytes",
+    )
+    for name in names:
+        assert f"kvstore_router_{name}" in queried
     assert "kvstore_router_no_such_metric" not in exposed
 
 
@@ -197,7 +212,12 @@ def test_the_routers_summary_for_stats_fleet():
     for seconds in (0.02, 0.03, 0.04, 0.3):  # buckets 0.025, 0.05, 0.05, 0.5
         metrics.ttft.labels("r1", "false").observe(seconds)
     metrics.decisions.labels("sticky").inc(3)
+    metrics.tenant_cache_bytes.labels("t").set(3 * 1024 + 0.5)
+    metrics.tenant_cache_blocks.labels("t").set(4)
     summary = router_summary(generate_latest(metrics.registry).decode())
+    assert summary["tenants"] == {
+        "t": {"prompt_tokens": 1000, "prefill_tokens": 250, "cached_tokens": 750, "cache_bytes": 3 * 1024, "cache_blocks": 4}
+    }
     r1 = summary["replicas"]["r1"]
     assert (r1["requests"], r1["prompt_tokens"], r1["prefill_tokens"], r1["cached_tokens"], r1["hit_rate"]) == (1, 1000, 250, 750, 0.75)
     assert r1["ttft_p50_s"] == pytest.approx(0.025 + 0.025 * (2 - 1) / 2)  # the 2nd of 4 lies halfway into (0.025, 0.05]

@@ -26,7 +26,7 @@ import time
 
 import httpx
 import pytest
-from daemon_harness import daemons
+from daemon_harness import daemons, eventually
 from vllm_venv import require_vllm_venv
 
 from bench.router_fleet import (
@@ -112,7 +112,9 @@ def fleet(tmp_path_factory, redis_server):
         replicas = [dataclasses.replace(replica, role="both") for replica in disaggregated]
         routers = []
         try:
-            router = start_router(workdir, "router", model, redis_server.url, replicas, max_body_bytes=MAX_BODY_BYTES)
+            router = start_router(
+                workdir, "router", model, redis_server.url, replicas, max_body_bytes=MAX_BODY_BYTES, tenant_cache_interval_s=0.5
+            )
             routers.append(router)
             yield Fleet(model, redis_server.url, replicas, router, workdir)
         finally:
@@ -360,6 +362,20 @@ def test_metrics_attribute_tokens_to_replicas_and_tenants(fleet):
     assert metric(text, "kvstore_router_decisions_total", reason="best_cost") >= 1
     for replica in fleet.replicas:
         assert metric(text, "kvstore_router_replica_healthy", replica=replica.node_id) == 1
+    # the cache bytes its chain holds: only team-a's requests carry this system prompt, so
+    # its blocks are team-a's alone, each counted once though the daemon and the engine both hold it
+    num_blocks, block_bytes = answers[0].body["usage"]["prompt_tokens"] // BLOCK, engine_namespace(fleet.model_path).block_bytes
+
+    def team_a_cache() -> tuple[float, float]:
+        text = fleet.router.metrics()
+        return metric(text, "kvstore_router_tenant_cache_blocks", tenant="team-a"), metric(
+            text, "kvstore_router_tenant_cache_bytes", tenant="team-a"
+        )
+
+    figures = eventually(lambda: (f := team_a_cache())[0] >= num_blocks - 1 and f, timeout_s=30)  # refreshed every 0.5 s
+    assert figures, team_a_cache()
+    held, held_bytes = figures
+    assert num_blocks - 1 <= held <= num_blocks and held_bytes == held * block_bytes > 0
     # the same figures in `kvstore stats --fleet --router URL`, beside the daemons'
     command = [sys.executable, "-m", "kvstore", "--address", fleet.replicas[0].daemon.address, "--json", "stats", "--fleet"]
     shown = subprocess.run([*command, "--router", fleet.router.url], capture_output=True, text=True, timeout=60)
@@ -369,6 +385,7 @@ def test_metrics_attribute_tokens_to_replicas_and_tenants(fleet):
     row = document["router"]["replicas"][node_id]
     assert row["prompt_tokens"] >= sum(a.body["usage"]["prompt_tokens"] for a in answers) and 0 < row["hit_rate"] < 1
     assert row["ttft_p50_s"] > 0 and document["router"]["decisions"]["sticky"] >= 1
+    assert document["router"]["tenants"]["team-a"]["cache_bytes"] >= (num_blocks - 1) * block_bytes
 
 
 def test_draining_a_replicas_daemon_moves_its_sessions_and_the_router_follows_them(fleet):

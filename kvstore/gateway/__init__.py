@@ -1,5 +1,6 @@
 """`kvstore router`: the OpenAI-compatible, prefix- and session-aware front door for engine
-replicas (app.py), its configuration (config.py) and metrics (metrics.py)."""
+replicas (app.py), its configuration (config.py), metrics (metrics.py) and the cache
+bytes held per tenant (tenant_cache.py)."""
 
 from kvstore.gateway.config import ReplicaConfig, RouterConfig, load_router_config
 

@@ -10,7 +10,9 @@ For each ``/v1/completions`` or ``/v1/chat/completions`` request the router
    tier, and lets the production cost model (kvstore.router.Router over
    kvstore.index.scoring) choose, with the load the router tracks and the session's
    affinity (kept in the index backend, so router replicas agree);
-4. forwards the body untouched and streams the answer back chunk by chunk.
+4. forwards the body untouched and streams the answer back chunk by chunk;
+5. remembers the chain under the request's tenant label, for the cache bytes held per
+   tenant that a background task measures against the index (tenant_cache.py).
 
 A replica that refuses the connection, times out before its first byte, or answers 5xx
 is excluded and the request routed again, at most ``max_attempts`` replicas in all; the
@@ -47,6 +49,7 @@ from kvstore.gateway.disagg import decode_transfer_params, prefill_request
 from kvstore.gateway.metrics import RouterMetrics
 from kvstore.gateway.prompts import BadRequest, block_extra_keys, prompt_token_ids, session_of, tokenize_request, tokens_digest
 from kvstore.gateway.replicas import Replica, ReplicaSet
+from kvstore.gateway.tenant_cache import RecentChains, TenantCache
 from kvstore.hashing import chain_hashes
 from kvstore.index.backends import open_index
 from kvstore.index.scoring import RouteDecision
@@ -82,25 +85,30 @@ class Gateway:
         self.replicas = ReplicaSet.of(config.replicas, self.metrics)
         self.index, self.sessions = open_index(IndexConfig(backend=config.index))
         self.router = Router(None, self.index, self.sessions, config.routing)
+        recent = RecentChains(config.tenant_cache_chains, config.tenant_cache_blocks)
+        self.tenant_cache = TenantCache(recent, self.index, config.namespace, self.metrics)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(config.first_byte_timeout_s, connect=config.connect_timeout_s),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
         )
-        self._checks: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     # -- lifecycle -------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         await self.replicas.check(self.client, self.config.connect_timeout_s)
-        self._checks = asyncio.create_task(
-            self.replicas.run_checks(self.client, self.config.health_interval_s, self.config.connect_timeout_s)
-        )
+        self._tasks = [
+            asyncio.create_task(self.replicas.run_checks(self.client, self.config.health_interval_s, self.config.connect_timeout_s)),
+            asyncio.create_task(self.tenant_cache.run(self.config.tenant_cache_interval_s)),
+        ]
         try:
             yield
         finally:
-            self._checks.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._checks
+            for task in self._tasks:
+                task.cancel()
+            for task in self._tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await self.client.aclose()
             await self.index.close()
 
@@ -161,6 +169,7 @@ class Gateway:
         except KVStoreError as exc:  # the index or session store cannot answer
             self.metrics.requests.labels("none", "503").inc()
             return openai_error(503, f"The router cannot reach its index: {exc}", "service_unavailable")
+        self.tenant_cache.recent.record(self.metrics.tenants.label(tenant), hashes)
         info = {
             "x-kvstore-replica": routed.replica.node_id,
             "x-kvstore-route": _reason_kind(routed.decision.reason),

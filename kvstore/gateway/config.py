@@ -34,6 +34,7 @@ from typing import Any
 
 from kvstore.config import ConfigError, RoutingConfig, parse_size, read_toml
 from kvstore.engines_config import namespace_from
+from kvstore.index.redis import MAX_CHAIN_BLOCKS
 from kvstore.namespace import Namespace
 
 __all__ = ["ReplicaConfig", "RouterConfig", "load_router_config", "namespace_from"]
@@ -72,6 +73,9 @@ class RouterConfig:
     connect_timeout_s: float = 2.0
     first_byte_timeout_s: float = 300.0
     health_interval_s: float = 2.0
+    tenant_cache_interval_s: float = 15.0  # how often the cache bytes per tenant are measured
+    tenant_cache_chains: int = 64  # per tenant label: the last this many distinct chains count
+    tenant_cache_blocks: int = 32_768  # per tenant label: at most this many blocks of them (16 bytes each)
     routing: RoutingConfig = RoutingConfig(remote_fetch=False)
 
     def __post_init__(self) -> None:
@@ -86,12 +90,24 @@ class RouterConfig:
             )
         if not 0 <= self.port < 65536:
             raise ConfigError(f"router.port must lie in [0, 65536), got {self.port}.")
-        for name in ("max_tenants", "session_prefix_blocks", "max_body_bytes", "max_attempts"):
+        for name in (
+            "max_tenants",
+            "session_prefix_blocks",
+            "max_body_bytes",
+            "max_attempts",
+            "tenant_cache_chains",
+            "tenant_cache_blocks",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"router.{name} must be positive, got {getattr(self, name)}.")
-        for name in ("connect_timeout_s", "first_byte_timeout_s", "health_interval_s"):
+        for name in ("connect_timeout_s", "first_byte_timeout_s", "health_interval_s", "tenant_cache_interval_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"router.{name} must be a positive number of seconds, got {getattr(self, name)}.")
+        if self.tenant_cache_blocks > MAX_CHAIN_BLOCKS:
+            raise ConfigError(
+                f"router.tenant_cache_blocks must be at most {MAX_CHAIN_BLOCKS} (the longest chain the index matches), "
+                f"got {self.tenant_cache_blocks}."
+            )
         for name in ("session_header", "tenant_header"):
             if not getattr(self, name) or getattr(self, name) != getattr(self, name).strip().lower():
                 raise ConfigError(f"router.{name} must be a non-empty lower-case header name, got {getattr(self, name)!r}.")

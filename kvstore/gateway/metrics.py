@@ -5,9 +5,10 @@ for a non-streaming request its first byte is its whole answer), prompt tokens a
 prefill tokens the engine actually computed (its usage: prompt minus cached tokens), the
 token hit rate and its spread over the fleet (standard deviation and coefficient of
 variation), routing decisions by reason, session moves, retries, requests in flight.
-Per tenant (a header, else a digest of the API key), prompt, computed and cached tokens;
-the first ``max_tenants`` tenants seen get a label each, any later one shares ``other``,
-so a client cannot grow the label set without bound.
+Per tenant (a header, else a digest of the API key), prompt, computed and cached tokens,
+and the cache bytes and blocks its recent chains hold (tenant_cache.py); the first
+``max_tenants`` tenants seen get a label each, any later one shares ``other``, so a client
+cannot grow the label set without bound.
 
 Owner: the router's event loop.
 """
@@ -95,6 +96,20 @@ class RouterMetrics:
         )
         self.tenant_cached_tokens = Counter(
             "kvstore_router_tenant_cached_tokens", "Prefill tokens saved by the cache per tenant", ["tenant"], registry=r
+        )
+        self.tenant_cache_bytes = Gauge(
+            "kvstore_router_tenant_cache_bytes",
+            "Bytes of the fleet's resident KV blocks in the tenant's recent chains: each block once however many copies "
+            "the fleet holds, a block in several tenants' chains split evenly among them (the tenants add up to the "
+            "attributed total)",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_cache_blocks = Gauge(
+            "kvstore_router_tenant_cache_blocks",
+            "Resident KV blocks in the tenant's recent chains, each once, a block shared with other tenants counted in full",
+            ["tenant"],
+            registry=r,
         )
         self._prompt_by_replica = dict.fromkeys(replica_ids, 0)
         self._cached_by_replica = dict.fromkeys(replica_ids, 0)

@@ -3,7 +3,9 @@
 Per replica: requests answered, prompt tokens, prefill tokens computed, cached tokens, the
 token hit rate, and TTFT p50/p99 (interpolated within the histogram's buckets as
 Prometheus's ``histogram_quantile`` does); for the fleet: the hit rate's spread across
-replicas (std, CV), routing decisions by reason and session moves by reason.
+replicas (std, CV), routing decisions by reason and session moves by reason. Per tenant
+label: prompt, prefill (computed) and cached tokens, and the cache bytes and blocks its
+recent chains hold (kvstore_router_tenant_cache_*, tenant_cache.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore.errors import Unavailable
 
 __all__ = ["router_summary", "fetch_router_summary", "histogram_quantile"]
+
+_TENANT_FIGURES = {  # sample name → the tenant row's field
+    "kvstore_router_tenant_prompt_tokens_total": "prompt_tokens",
+    "kvstore_router_tenant_prefill_tokens_total": "prefill_tokens",
+    "kvstore_router_tenant_cached_tokens_total": "cached_tokens",
+    "kvstore_router_tenant_cache_bytes": "cache_bytes",
+    "kvstore_router_tenant_cache_blocks": "cache_blocks",
+}
 
 
 def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
@@ -39,6 +49,7 @@ def router_summary(exposition: str) -> dict[str, Any]:
     ttft_buckets: dict[str, dict[float, float]] = {}
     decisions: dict[str, float] = {}
     moves: dict[str, float] = {}
+    tenants: dict[str, dict[str, Any]] = {}
 
     def replica(node_id: str) -> dict[str, Any]:
         return replicas.setdefault(node_id, {"requests": 0, "prompt_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0})
@@ -64,6 +75,9 @@ def router_summary(exposition: str) -> dict[str, Any]:
                 decisions[labels["reason"]] = value
             elif sample.name == "kvstore_router_session_moves_total":
                 moves[labels["reason"]] = value
+            elif sample.name in _TENANT_FIGURES:
+                row = tenants.setdefault(labels["tenant"], dict.fromkeys(_TENANT_FIGURES.values(), 0))
+                row[_TENANT_FIGURES[sample.name]] = int(value)
     for node_id, buckets in ttft_buckets.items():
         ordered = sorted(buckets.items())
         for name, q in (("ttft_p50_s", 0.5), ("ttft_p99_s", 0.99)):
@@ -82,6 +96,7 @@ def router_summary(exposition: str) -> dict[str, Any]:
         "hit_rate_cv": round(std / mean, 4) if mean else None,
         "decisions": decisions,
         "session_moves": moves,
+        "tenants": dict(sorted(tenants.items())),
     }
 
 

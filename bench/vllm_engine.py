@@ -270,6 +270,7 @@ class ApiServer:
                 "kv_connector_extra_config": connector.get("extra", {}),
             }
             command += ["--kv-transfer-config", json.dumps(config)]
+        command += plan.get("server_args", [])  # e.g. --enable-lora --lora-modules NAME=DIR
         env = {**os.environ, **ENGINE_ENV}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server's default: the engine core is a process of its own
         with open(self.log, "w") as log:

@@ -15,7 +15,8 @@ from bench.redis_server import RedisServer, find_redis_server
 # unlink its host slab; a killed vLLM engine leaves its message queues): the ones this run
 # created and no process still has open or mapped are removed when the run ends.
 SHM = Path("/dev/shm")
-LEFTOVER_PREFIXES = ("kvstore-test-", "psm_", "vllm_dist_", "sem.mp-")
+LEFTOVER_PREFIXES = ("kvstore-test-", "psm_", "vllm_dist_")
+SETTLE_S = 30.0  # a file younger than this may be another run's, not yet mapped by its creator
 SESSION_START = time.time()
 
 
@@ -38,10 +39,12 @@ def _shm_in_use() -> set[str]:
 def pytest_sessionfinish(session, exitstatus):
     if not SHM.is_dir():
         return
+    scanned = time.time()
     in_use = _shm_in_use()
     for path in SHM.iterdir():
         try:
-            if path.name.startswith(LEFTOVER_PREFIXES) and path.name not in in_use and path.stat().st_mtime >= SESSION_START:
+            created = path.stat().st_mtime
+            if path.name.startswith(LEFTOVER_PREFIXES) and path.name not in in_use and SESSION_START <= created < scanned - SETTLE_S:
                 path.unlink()
         except OSError:
             continue

@@ -5,11 +5,15 @@ For each ``/v1/completions`` or ``/v1/chat/completions`` request the router
 1. checks it (size, JSON, model) without touching an engine;
 2. gets its token ids as the engine computes them (prompts.py) and hashes them into the
    chain of block keys of the engines' namespace (kvstore.hashing.chain_hashes, the
-   function the connectors hash with);
+   function the connectors hash with), with its cache salt and LoRA adapter keyed as the
+   engine keys them; a request with multimodal inputs is not hashed (prompts.py) and is
+   routed by load and session alone ("unkeyed"), as is one for an adapter the replicas
+   load from different paths;
 3. asks the block-location index which replica holds how much of the chain, in which
    tier, and lets the production cost model (kvstore.router.Router over
    kvstore.index.scoring) choose, with the load the router tracks and the session's
-   affinity (kept in the index backend, so router replicas agree);
+   affinity (kept in the index backend, so router replicas agree), among the replicas
+   that serve the request's model (an adapter only where it is loaded);
 4. forwards the body untouched and streams the answer back chunk by chunk;
 5. remembers the chain under the request's tenant label, for the cache bytes held per
    tenant that a background task measures against the index (tenant_cache.py).
@@ -47,7 +51,16 @@ from kvstore.errors import KVStoreError
 from kvstore.gateway.config import RouterConfig
 from kvstore.gateway.disagg import decode_transfer_params, prefill_request
 from kvstore.gateway.metrics import RouterMetrics
-from kvstore.gateway.prompts import BadRequest, block_extra_keys, prompt_token_ids, session_of, tokenize_request, tokens_digest
+from kvstore.gateway.prompts import (
+    BadRequest,
+    LoraAdapter,
+    block_extra_keys,
+    prompt_token_ids,
+    session_of,
+    tokenize_request,
+    tokens_digest,
+    unkeyed_inputs,
+)
 from kvstore.gateway.replicas import Replica, ReplicaSet
 from kvstore.gateway.tenant_cache import RecentChains, TenantCache
 from kvstore.hashing import chain_hashes
@@ -140,9 +153,13 @@ class Gateway:
             stream = payload.get("stream", False)
             if not isinstance(stream, bool):
                 raise BadRequest("'stream' must be true or false.", "stream")
-            token_ids = await self._token_ids(kind, payload, request)
+            model = payload["model"]
+            unkeyed = unkeyed_inputs(kind, payload)  # its tokens alone would be a wrong key: not asked for
+            token_ids = [] if unkeyed else await self._token_ids(kind, payload, request)
+            adapter, unkeyed = (None, unkeyed) if unkeyed else self._adapter(model)
             block_size = self.config.namespace.block_size
-            hashes = chain_hashes(token_ids, block_size, extra_keys=block_extra_keys(payload, len(token_ids) // block_size))
+            extra_keys = block_extra_keys(payload, len(token_ids) // block_size, adapter)
+            hashes = [] if unkeyed else chain_hashes(token_ids, block_size, extra_keys=extra_keys)
             session = session_of(request.headers, self.config.session_header, kind, payload, hashes, self.config.session_prefix_blocks)
         except BadRequest as exc:
             self.metrics.requests.labels("none", str(exc.status)).inc()
@@ -158,9 +175,9 @@ class Gateway:
         try:
             session_id = session.session_id if session else ""
             if self.replicas.disaggregated():
-                routed = await self._disaggregated(path, payload, headers, token_ids, hashes, session_id, tenant)
+                routed = await self._disaggregated(path, payload, headers, token_ids, hashes, session_id, tenant, unkeyed)
             else:
-                routed = await self._send(path, body, headers, token_ids, hashes, session_id)
+                routed = await self._send(path, body, headers, token_ids, hashes, session_id, model=model, unkeyed=unkeyed)
         except _NoReplica as exc:
             self.metrics.requests.labels("none", "503").inc()
             return openai_error(503, str(exc), "service_unavailable")
@@ -173,10 +190,13 @@ class Gateway:
         info = {
             "x-kvstore-replica": routed.replica.node_id,
             "x-kvstore-route": _reason_kind(routed.decision.reason),
-            "x-kvstore-prompt-tokens": str(len(token_ids)),
-            "x-kvstore-prompt-digest": tokens_digest(token_ids),
             "x-kvstore-expected-cached-tokens": str(routed.decision.expected_cached_tokens),
         }
+        if token_ids:
+            info["x-kvstore-prompt-tokens"] = str(len(token_ids))
+            info["x-kvstore-prompt-digest"] = tokens_digest(token_ids)
+        if unkeyed:
+            info["x-kvstore-unkeyed"] = unkeyed
         if session is not None:
             info["x-kvstore-session"] = session.session_id
         if routed.prefill_node_id:
@@ -231,13 +251,25 @@ class Gateway:
             )
         return body, payload
 
+    def _adapter(self, model: str) -> tuple[LoraAdapter | None, str]:
+        """The LoRA adapter ``model`` names, as every healthy replica serving it loads it
+        (None for a base model); or why the request cannot be keyed: the replicas load it
+        from different paths, or do not all serve it as an adapter."""
+        paths = self.replicas.adapter_paths(model)
+        if paths <= {None}:
+            return None, ""
+        path = paths.pop() if len(paths) == 1 else None
+        if not path:
+            return None, f"the replicas serving {ascii(model[:80])} do not agree on its LoRA adapter's path"
+        return LoraAdapter(model, path), ""
+
     async def _token_ids(self, kind: str, payload: dict[str, Any], request: Request) -> list[int]:
         given = prompt_token_ids(kind, payload)
         if given is not None:
             return given
         tokenize = tokenize_request(kind, payload)
         headers = {k: v for k, v in request.headers.items() if k == "authorization"}
-        for replica in self.replicas.healthy():
+        for replica in self.replicas.healthy(payload["model"]):  # only those know an adapter's name
             try:
                 response = await self.client.post(f"{replica.config.url}/tokenize", json=tokenize, headers=headers)
             except httpx.TransportError as exc:
@@ -263,15 +295,18 @@ class Gateway:
         session_id: str,
         roles: tuple[str, ...] = ("both", "prefill", "decode"),
         excluded: set[str] | None = None,
+        model: str | None = None,
+        unkeyed: str = "",
     ) -> _Routed:
         ns = self.config.namespace
         excluded = set() if excluded is None else excluded
         failures: list[str] = []
         for _attempt in range(self.config.max_attempts):
-            candidates = self.replicas.candidates(excluded, roles)
+            candidates = self.replicas.candidates(excluded, roles, model)
             if not candidates:
                 break
-            note = f"retry after {'; '.join(failures)}" if failures else ""
+            notes = [f"retry after {'; '.join(failures)}" if failures else "", f"unkeyed: {unkeyed}" if unkeyed else ""]
+            note = "; ".join(n for n in notes if n)
             decision = await self.router.route_chain(
                 ns.digest, hashes, len(token_ids), ns.block_size, ns.block_bytes, session_id, candidates, note=note
             )
@@ -314,7 +349,15 @@ class Gateway:
         raise _NoReplica(f"No engine replica could serve the request ({tried}); retry shortly.")
 
     async def _disaggregated(
-        self, path: str, payload: dict[str, Any], headers: dict[str, str], token_ids: list[int], hashes, session_id: str, tenant: str
+        self,
+        path: str,
+        payload: dict[str, Any],
+        headers: dict[str, str],
+        token_ids: list[int],
+        hashes,
+        session_id: str,
+        tenant: str,
+        unkeyed: str,
     ) -> _Routed:
         """The two-step flow of the vLLM connector's kv_producer / kv_consumer: the prompt
         is computed on the prefill replica its prefix costs least on (the session sticks
@@ -322,7 +365,9 @@ class Gateway:
         least-loaded decode replica's daemon; the decode replica then answers the client.
         A decode replica that fails before answering is replaced by another, which
         recomputes the prompt (the connector's fallback, as for a handoff that never comes)."""
-        decoders = sorted(self.replicas.candidates(set(), ("decode",)), key=lambda c: (c.active_requests + c.queued_tokens, c.node_id))
+        model = payload["model"]
+        decoders = self.replicas.candidates(set(), ("decode",), model)
+        decoders.sort(key=lambda c: (c.active_requests + c.queued_tokens, c.node_id))
         if not decoders:
             raise _NoReplica("No decode replica is healthy; retry once one is back.")
         decoder = self.replicas.replicas[decoders[0].node_id]
@@ -332,7 +377,9 @@ class Gateway:
             raise _NoReplica(f"The decode replica {decoder.node_id}'s daemon is not in the index; retry shortly.")
         transfer_id = f"kvstore-router-{uuid.uuid4().hex}"
         prefill_body = json.dumps(prefill_request(payload, transfer_id, destination)).encode()
-        prefill = await self._send(path, prefill_body, headers, token_ids, hashes, session_id, roles=("prefill",))
+        prefill = await self._send(
+            path, prefill_body, headers, token_ids, hashes, session_id, roles=("prefill",), model=model, unkeyed=unkeyed
+        )
         try:
             content = await prefill.upstream.aread()
         finally:
@@ -345,10 +392,12 @@ class Gateway:
         decode_body = json.dumps({**payload, "kv_transfer_params": params} if params else payload).encode()
         others = {r.node_id for r in self.replicas.replicas.values() if r.node_id != decoder.node_id}
         try:
-            routed = await self._send(path, decode_body, headers, token_ids, [], "", roles=("decode",), excluded=others)
+            routed = await self._send(path, decode_body, headers, token_ids, [], "", roles=("decode",), excluded=others, model=model)
         except _NoReplica:  # the handoff's destination failed: another decode replica computes the prompt
             original = json.dumps(payload).encode()
-            routed = await self._send(path, original, headers, token_ids, hashes, "", roles=("decode",), excluded={decoder.node_id})
+            routed = await self._send(
+                path, original, headers, token_ids, hashes, "", roles=("decode",), excluded={decoder.node_id}, model=model, unkeyed=unkeyed
+            )
         return dataclasses.replace(routed, prefill_node_id=prefill.replica.node_id)
 
     def _release(self, replica: Replica, uncached: int) -> None:
@@ -417,10 +466,12 @@ def _cause(exc: httpx.TransportError) -> str:
 
 
 def _reason_kind(reason: str) -> str:
-    """A decision's reason as a bounded label: retry, sticky, moved_unavailable,
-    moved_cost or best_cost."""
+    """A decision's reason as a bounded label: retry, unkeyed (routed by load and session
+    alone), sticky, moved_unavailable, moved_cost or best_cost."""
     if reason.startswith("retry"):
         return "retry"
+    if reason.startswith("unkeyed"):
+        return "unkeyed"
     if reason.startswith("sticky"):
         return "sticky"
     if reason.startswith("moved") and "not a candidate" in reason:

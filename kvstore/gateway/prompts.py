@@ -6,6 +6,12 @@ all messages and the tools, exactly as it will for the request, so the router ha
 tokens the engine's connector will hash (DESIGN.md §13). A completion whose prompt is
 already token ids needs no call.
 
+Block keys: a request's ``cache_salt`` and the LoRA adapter it names as its ``model`` are
+keyed as the engine keys them (block_extra_keys). Multimodal inputs and prompt
+embeddings are not: the router cannot compute vLLM's media hashes without the model's
+processor, so such a request is not tokenized or hashed (unkeyed_inputs) and is routed
+by load and session alone, with the reason in its routing decision.
+
 The session is, in order: the configured header (``x-session-id``), the OpenAI ``user``
 field, else derived from the conversation's start — for chat, the messages up to and
 including the first user message (with the tools); for a completion, its first
@@ -25,7 +31,16 @@ import xxhash
 
 from kvstore.hashing import BlockHash
 
-__all__ = ["BadRequest", "block_extra_keys", "tokenize_request", "prompt_token_ids", "session_of", "tokens_digest"]
+__all__ = [
+    "BadRequest",
+    "LoraAdapter",
+    "block_extra_keys",
+    "prompt_token_ids",
+    "session_of",
+    "tokenize_request",
+    "tokens_digest",
+    "unkeyed_inputs",
+]
 
 # what /tokenize takes besides the prompt: the fields of a chat request that change its tokens
 _CHAT_TOKENIZE_FIELDS = (
@@ -37,6 +52,8 @@ _CHAT_TOKENIZE_FIELDS = (
     "chat_template_kwargs",
     "mm_processor_kwargs",
 )
+# vLLM's chat content parts that are text (renderers/chat_utils.py); any other part is media
+_TEXT_PART_TYPES = ("text", "input_text", "output_text", "thinking", "refusal", "tool_reference")
 MAX_SESSION_ID_CHARS = 256
 
 
@@ -65,6 +82,13 @@ def prompt_token_ids(kind: str, payload: Mapping[str, Any]) -> list[int] | None:
     return None
 
 
+def _messages(payload: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, Mapping) for m in messages):
+        raise BadRequest("'messages' must be a non-empty list of message objects.", "messages")
+    return messages
+
+
 def tokenize_request(kind: str, payload: Mapping[str, Any]) -> dict[str, Any]:
     """The ``/tokenize`` body that yields the token ids the engine will compute for
     ``payload`` (a completion's text prompt, or a chat request's messages and tools). A
@@ -82,29 +106,57 @@ def tokenize_request(kind: str, payload: Mapping[str, Any]) -> dict[str, Any]:
         if "add_special_tokens" in payload:
             body["add_special_tokens"] = payload["add_special_tokens"]
         return body
-    messages = payload.get("messages")
-    if not isinstance(messages, list) or not messages or not all(isinstance(m, Mapping) for m in messages):
-        raise BadRequest("'messages' must be a non-empty list of message objects.", "messages")
-    body = {"model": model, "messages": messages}
+    body = {"model": model, "messages": _messages(payload)}
     for name in _CHAT_TOKENIZE_FIELDS:
         if name in payload and payload[name] is not None:
             body[name] = payload[name]
     return body
 
 
-def block_extra_keys(payload: Mapping[str, Any], num_blocks: int) -> list[bytes | None] | None:
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """The LoRA adapter a request names as its ``model``, as the engines serving it load it
+    (their ``/v1/models`` card: ``id`` the name, ``root`` the path)."""
+
+    name: str
+    path: str
+
+
+def unkeyed_inputs(kind: str, payload: Mapping[str, Any]) -> str:
+    """Why the router cannot key the request's blocks as the engine does ('' when it can):
+    vLLM keys a block holding multimodal inputs by their hashes, which only its processor
+    computes (from the decoded media), and prompt embeddings by their digest. Such a
+    request is routed by load and session alone, never by blocks that might be another's.
+    A chat content part is text when its type is one of vLLM's text parts."""
+    if kind == "completion":
+        return "the prompt is given as embeddings" if payload.get("prompt_embeds") is not None else ""
+    for message in _messages(payload):
+        content = message.get("content")
+        for part in content if isinstance(content, list) else ():
+            part_type = part.get("type", "text" if set(part) == {"text"} else "untyped") if isinstance(part, Mapping) else "untyped"
+            if part_type not in _TEXT_PART_TYPES:
+                return f"multimodal inputs (a content part of type {ascii(str(part_type)[:40])})"
+    return ""
+
+
+def block_extra_keys(payload: Mapping[str, Any], num_blocks: int, adapter: LoraAdapter | None = None) -> list[bytes | None] | None:
     """What besides its tokens each block's KV depends on, as the vLLM connector keys it
-    (connectors/vllm_compat.block_extra_keys: msgpack of vLLM's own extra hash keys): a
-    request's ``cache_salt`` is vLLM's ``(("cache_salt", salt),)`` on the first block,
-    and through the chain every block after it. LoRA adapters and multimodal inputs are
-    not keyed here: such requests are routed by their tokens alone (they find nothing).
-    tests/test_router_http.py checks the salted keys against a real engine's."""
+    (connectors/vllm_compat.block_extra_keys: msgpack of vLLM's own
+    ``generate_block_hash_extra_keys``): a LoRA adapter is ``("lora", name, path)`` on every
+    block, a ``cache_salt`` ``("cache_salt", salt)`` on the first, after the adapter's (and,
+    through the chain, in every block after it). Multimodal inputs and prompt embeddings
+    are not keyed here: such requests are not hashed at all (unkeyed_inputs).
+    tests/test_router_http.py checks the salted keys and tests/test_router_lora.py the
+    adapter's against a real engine's."""
     salt = payload.get("cache_salt")
-    if salt is None or salt == "" or num_blocks == 0:
-        return None
-    if not isinstance(salt, str):
+    if salt is not None and not isinstance(salt, str):
         raise BadRequest("'cache_salt' must be a string.", "cache_salt")
-    return [msgpack.packb((("cache_salt", salt),), use_bin_type=True)] + [None] * (num_blocks - 1)
+    lora = (("lora", adapter.name, adapter.path),) if adapter is not None else ()
+    salted = (("cache_salt", salt),) if salt else ()
+    if num_blocks == 0 or not (lora or salted):
+        return None
+    rest = msgpack.packb(lora, use_bin_type=True) if lora else None
+    return [msgpack.packb(lora + salted, use_bin_type=True)] + [rest] * (num_blocks - 1)
 
 
 def tokens_digest(token_ids: Sequence[int]) -> str:

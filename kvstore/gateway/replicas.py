@@ -3,7 +3,13 @@ itself puts on each (requests in flight, prompt tokens waiting for their first b
 
 A replica is a candidate while it is healthy: its ``/health`` answered 200 at the last
 check, and no request has since failed to connect to it. A failed connection takes it
-out at once; the next passing check brings it back.
+out at once; the next passing check brings it back. A request is a candidate's only if
+the replica serves its model: the base model or a LoRA adapter, as its ``/v1/models``
+listed them at the last check (vLLM lists an adapter with ``parent`` its base model and
+``root`` the path the engine keys its blocks with). Learning adapters there, rather than
+from the router's configuration, follows vLLM's runtime ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` within a health interval; an adapter re-pointed in between
+costs a recompute, never wrong KV (the engine keys with its own path).
 
 Owner: the router's event loop.
 """
@@ -13,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -21,7 +28,7 @@ from kvstore.gateway.config import ReplicaConfig
 from kvstore.gateway.metrics import RouterMetrics
 from kvstore.index.scoring import Candidate
 
-__all__ = ["Replica", "ReplicaSet", "engine_queue"]
+__all__ = ["Replica", "ReplicaSet", "engine_queue", "served_models"]
 
 # vLLM's gauges (SGLang's are sglang:num_running_reqs / sglang:num_queue_reqs)
 _QUEUE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "sglang:num_running_reqs", "sglang:num_queue_reqs")
@@ -40,6 +47,21 @@ def engine_queue(exposition: str) -> int:
     return int(total)
 
 
+def served_models(cards: Any) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The model ids of a ``/v1/models`` list's ``data``, and its LoRA adapters' paths by
+    name: a card with a ``parent`` is an adapter, its ``root`` the path ("" when the card
+    names none: requests for it are not keyed)."""
+    if not isinstance(cards, list):
+        raise ValueError("/v1/models has no list of models")
+    cards = [card for card in cards if isinstance(card, dict)]
+    adapters = {}
+    for card in cards:
+        if card.get("parent") is not None:
+            root = card.get("root")
+            adapters[str(card.get("id"))] = root if isinstance(root, str) else ""
+    return tuple(str(card.get("id")) for card in cards), adapters
+
+
 logger = logging.getLogger("kvstore.router")
 
 
@@ -48,6 +70,7 @@ class Replica:
     config: ReplicaConfig
     healthy: bool = False
     models: tuple[str, ...] = ()
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters among models: name -> path
     in_flight: int = 0
     queued_tokens: int = 0  # prompt tokens of requests not answered yet, less their expected hits
     num_prefilling: int = 0
@@ -73,8 +96,15 @@ class ReplicaSet:
     def of(cls, configs: Iterable[ReplicaConfig], metrics: RouterMetrics) -> ReplicaSet:
         return cls({c.node_id: Replica(c) for c in configs}, metrics)
 
-    def candidates(self, excluded: set[str], roles: tuple[str, ...] = ("both", "prefill", "decode")) -> list[Candidate]:
-        return [r.candidate() for r in self.replicas.values() if r.healthy and r.node_id not in excluded and r.config.role in roles]
+    def candidates(
+        self, excluded: set[str], roles: tuple[str, ...] = ("both", "prefill", "decode"), model: str | None = None
+    ) -> list[Candidate]:
+        """Healthy replicas of ``roles`` not ``excluded`` that serve ``model`` (any, if None)."""
+        return [
+            r.candidate()
+            for r in self.replicas.values()
+            if r.healthy and r.node_id not in excluded and r.config.role in roles and (model is None or model in r.models)
+        ]
 
     def disaggregated(self) -> bool:
         """Prefill and decode run on different replicas: some are marked each way."""
@@ -84,9 +114,15 @@ class ReplicaSet:
     def models(self) -> set[str]:
         return {model for r in self.replicas.values() if r.healthy for model in r.models}
 
-    def healthy(self) -> list[Replica]:
-        """Healthy replicas, least loaded first."""
-        return sorted((r for r in self.replicas.values() if r.healthy), key=lambda r: (r.in_flight, r.node_id))
+    def healthy(self, model: str | None = None) -> list[Replica]:
+        """Healthy replicas that serve ``model`` (any, if None), least loaded first."""
+        serving = (r for r in self.replicas.values() if r.healthy and (model is None or model in r.models))
+        return sorted(serving, key=lambda r: (r.in_flight, r.node_id))
+
+    def adapter_paths(self, model: str) -> set[str | None]:
+        """Where the healthy replicas serving ``model`` load it from as a LoRA adapter: None
+        for each that serves it as its base model."""
+        return {r.adapters.get(model) for r in self.healthy(model)}
 
     def mark_down(self, replica: Replica, why: str) -> None:
         if replica.healthy:
@@ -109,7 +145,7 @@ class ReplicaSet:
             models = await client.get(f"{url}/v1/models", timeout=timeout_s) if health.status_code == 200 else None
             ok = models is not None and models.status_code == 200
             if ok:
-                replica.models = tuple(str(m.get("id")) for m in models.json().get("data", []) if isinstance(m, dict))
+                replica.models, replica.adapters = served_models(models.json().get("data", []))
                 engine_metrics = await client.get(f"{url}/metrics", timeout=timeout_s)
                 if engine_metrics.status_code == 200:
                     replica.engine_requests = engine_queue(engine_metrics.text)

@@ -28,7 +28,9 @@ from kvstore.events import BlockEvent
 from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.tier_kind import TierKind
 
-__all__ = ["NodeInfo", "NodeMatch", "SessionAffinity", "Index", "SessionStore"]
+MAX_CHAIN_BLOCKS = 1 << 18  # the longest chain an index matches: a 4M-token prompt at 16 tokens per block
+
+__all__ = ["MAX_CHAIN_BLOCKS", "NodeInfo", "NodeMatch", "SessionAffinity", "Index", "SessionStore"]
 
 
 @dataclass(frozen=True, slots=True)

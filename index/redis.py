@@ -49,13 +49,12 @@ from kvstore.errors import IndexUnavailable, InvalidArgument
 from kvstore.events import AllBlocksCleared, BlockEvent, BlockMoved, BlockRemoved, BlockStored
 from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.index import redis_scripts
-from kvstore.index.base import Index, NodeInfo, NodeMatch, SessionAffinity, SessionStore
+from kvstore.index.base import MAX_CHAIN_BLOCKS, Index, NodeInfo, NodeMatch, SessionAffinity, SessionStore
 from kvstore.index.redis_scripts import RedisBoundary, RedisClient
 from kvstore.tier_kind import TierKind
 
 __all__ = ["RedisIndex", "RedisSessionStore", "connect"]
 
-MAX_CHAIN_BLOCKS = 1 << 18  # a 4M-token prompt at 16 tokens per block
 MAX_HASHES_PER_CALL = 8192  # bounds how long one APPLY script holds the Redis shard
 MAX_NODE_ID_CHARS = 256
 _TIER_BY_RANK = {tier.rank: tier for tier in TierKind}

@@ -34,7 +34,7 @@ from typing import Any
 
 from kvstore.config import ConfigError, RoutingConfig, parse_size, read_toml
 from kvstore.engines_config import namespace_from
-from kvstore.index.redis import MAX_CHAIN_BLOCKS
+from kvstore.index.base import MAX_CHAIN_BLOCKS
 from kvstore.namespace import Namespace
 
 __all__ = ["ReplicaConfig", "RouterConfig", "load_router_config", "namespace_from"]

@@ -5,6 +5,11 @@ A replica is a candidate while it is healthy: its ``/health`` answered 200 at th
 check, and no request has since failed to connect to it. A failed connection takes it
 out at once; the next passing check brings it back.
 
+The list itself changes when the router reloads its configuration (`ReplicaSet.adopt`):
+a replica new to it starts unhealthy, out of rotation until its first passing check; one
+no longer listed leaves at once, while its requests in flight finish on the `Replica`
+they hold, which no longer writes the set's metrics.
+
 Owner: the router's event loop.
 """
 
@@ -12,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -73,6 +78,28 @@ class ReplicaSet:
     def of(cls, configs: Iterable[ReplicaConfig], metrics: RouterMetrics) -> ReplicaSet:
         return cls({c.node_id: Replica(c) for c in configs}, metrics)
 
+    def adopt(self, configs: Sequence[ReplicaConfig]) -> None:
+        """Make ``configs`` the list. A replica listed as it was keeps its state (health,
+        load); a new one, or one whose url or role changed, starts out of rotation."""
+        adopted: dict[str, Replica] = {}
+        for config in configs:
+            current = self.replicas.get(config.node_id)
+            adopted[config.node_id] = current if current is not None and current.config == config else Replica(config)
+        for node_id in self.replicas.keys() - adopted.keys():
+            self.metrics.remove_replica(node_id)
+        for replica in adopted.values():
+            if self.replicas.get(replica.node_id) is not replica:
+                self.metrics.add_replica(replica.node_id)
+        self.replicas = adopted
+
+    def serves(self, replica: Replica) -> bool:
+        """``replica`` is (still) in the list: not one a reload removed or replaced."""
+        return self.replicas.get(replica.node_id) is replica
+
+    def publish_load(self, replica: Replica) -> None:
+        if self.serves(replica):
+            self.metrics.in_flight.labels(replica.node_id).set(replica.in_flight)
+
     def candidates(self, excluded: set[str], roles: tuple[str, ...] = ("both", "prefill", "decode")) -> list[Candidate]:
         return [r.candidate() for r in self.replicas.values() if r.healthy and r.node_id not in excluded and r.config.role in roles]
 
@@ -92,7 +119,7 @@ class ReplicaSet:
         if replica.healthy:
             logger.warning("kvstore router: replica %s (%s) taken out of rotation: %s", replica.node_id, replica.config.url, why)
         replica.healthy = False
-        self.metrics.healthy.labels(replica.node_id).set(0)
+        self._publish_health(replica)
 
     async def check(self, client: httpx.AsyncClient, timeout_s: float) -> None:
         await asyncio.gather(*(self._check_one(client, replica, timeout_s) for replica in self.replicas.values()))
@@ -122,4 +149,8 @@ class ReplicaSet:
             replica.healthy = True
         elif not ok:
             self.mark_down(replica, why)
-        self.metrics.healthy.labels(replica.node_id).set(1 if replica.healthy else 0)
+        self._publish_health(replica)
+
+    def _publish_health(self, replica: Replica) -> None:
+        if self.serves(replica):
+            self.metrics.healthy.labels(replica.node_id).set(1 if replica.healthy else 0)

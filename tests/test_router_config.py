@@ -187,7 +187,7 @@ def test_a_reload_of_a_bad_file_is_refused_with_a_sentence_and_the_running_list_
     assert router.value("kvstore_router_config_reloads_total", result="refused") == 1
     assert router.value("kvstore_router_config_reloads_total", result="applied") == 0
     assert router.value("kvstore_router_config_last_reload_successful") == 0
-    assert "configuration reload refused, still routing to gpu-1:" in caplog.text and words in caplog.text
+    assert "configuration reload refused, the replica list stays gpu-1:" in caplog.text and words in caplog.text
     router.sighup(CONFIG + GPU_2)  # the file fixed: the next SIGHUP applies it
     assert router.value("kvstore_router_config_last_reload_successful") == 1 and len(router.config.replicas) == 2
 

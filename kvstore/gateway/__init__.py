@@ -21,7 +21,7 @@ def run_router(config: RouterConfig, load: Callable[[], RouterConfig] | None = N
     # the router's own sentences (replicas in and out of rotation, reloads) on stderr; not
     # the root logger's, which would add a line per health-check request of httpx
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     logging.getLogger("kvstore").addHandler(handler)
     logging.getLogger("kvstore").setLevel(logging.INFO)
     uvicorn.run(build_app(config, load), host=config.host, port=config.port, log_level="warning", lifespan="on", access_log=False)

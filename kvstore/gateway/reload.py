@@ -44,7 +44,7 @@ class ConfigReload:
             new = self._load()
         except KVStoreError as exc:
             self._metrics.reloaded(applied=False)
-            logger.warning("kvstore router: configuration reload refused, still routing to %s: %s", running, exc)
+            logger.warning("kvstore router: configuration reload refused, the replica list stays %s: %s", running, exc)
             return current
         changes = replica_changes(current, new)
         self._replicas.adopt(new.replicas)

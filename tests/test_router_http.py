@@ -438,22 +438,40 @@ def test_a_replica_that_joins_is_warmed_and_takes_new_sessions_while_the_first_o
     # gauges, read by a check, never count a request this test has already finished
     router = fleet.start_router("router-scale-up", replicas=[a], health_interval_s=600)
     try:
-        system = {"role": "system", "content": system_prompt("scale up")}  # neither replica has seen it
+        # a prompt neither replica has seen, from its first block on: no tools, whose blocks lead
+        # the other tests' prompts (and which one of them evicts from replica-a's daemon, where
+        # the engine's GPU cache still serves them: what its daemon saves after them has no root
+        # there, and a chain without its root is not warmed)
+        system = {"role": "system", "content": system_prompt("scale up")}
 
         def question(name: str) -> list[dict]:  # its own text fills blocks of the session's own
             return [system, {"role": "user", "content": f"{name}: " + " ".join(f"{name}-{i}" for i in range(40))}]
 
         def ask(messages: list[dict], session: str) -> Answer:
-            return fleet.chat(messages, url=router.url, session=session, return_token_ids=True)
+            payload = {"model": fleet.model, "messages": messages, "max_tokens": 8, "temperature": 0.0, "return_token_ids": True}
+            answer = post(router.url, CHAT, payload, {"x-session-id": session})
+            assert answer.status == 200, answer.body
+            return answer
 
         earlier = {session: ask(question(session), session) for session in ("alpha", "beta")}
         assert {answer.replica for answer in earlier.values()} == {a.node_id}
         first_ids, second_ids = (answer.body["prompt_token_ids"] for answer in earlier.values())
         common = next(i for i, (x, y) in enumerate(zip(first_ids, second_ids)) if x != y)
-        shared = chain_hashes(first_ids[: common // BLOCK * BLOCK], BLOCK)  # the tools' and system prompt's full blocks
+        shared = chain_hashes(first_ids[: common // BLOCK * BLOCK], BLOCK)  # the system prompt's full blocks
         assert len(shared) >= 8 and len(first_ids) - len(shared) * BLOCK >= 2 * BLOCK
-        before = fleet.matches(shared).get(b.node_id)
-        assert before is None or before.num_blocks < len(shared)  # replica-b has at most the tools' blocks of other tests
+
+        def held(node_id: str) -> int:  # blocks of the shared prefix that the node's daemon holds, as the index says
+            match = fleet.matches(shared).get(node_id)
+            return match.num_blocks if match else 0
+
+        def wait_until_held(node_id: str) -> None:  # daemons publish their blocks in batches
+            deadline = time.monotonic() + 20
+            while held(node_id) != len(shared):
+                assert time.monotonic() < deadline, fleet.matches(shared)
+                time.sleep(0.2)
+
+        wait_until_held(a.node_id)
+        assert held(b.node_id) == 0
 
         # a file that does not load is refused, and the router keeps routing to replica-a alone
         router.reload("[[router.replicas]\n")
@@ -469,10 +487,7 @@ def test_a_replica_that_joins_is_warmed_and_takes_new_sessions_while_the_first_o
         warmed = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert warmed.returncode == 0, warmed.stderr
         assert json.loads(warmed.stdout)["blocks_by_peer"][a.node_id] > 0
-        deadline = time.monotonic() + 20
-        while (fleet.matches(shared).get(b.node_id) or NodeMatch(b.node_id, ())).num_blocks != len(shared):
-            assert time.monotonic() < deadline, fleet.matches(shared)
-            time.sleep(0.2)
+        wait_until_held(b.node_id)
         fleet.reload_router(router, [a, b], health_interval_s=600)
         deadline = time.monotonic() + 30
         while metric(router.metrics(), "kvstore_router_replica_healthy", replica=b.node_id) != 1:
@@ -487,7 +502,7 @@ def test_a_replica_that_joins_is_warmed_and_takes_new_sessions_while_the_first_o
         # replica-a is busy: a long answer of session alpha's streams while new sessions arrive
         turn = question("alpha") + [{"role": "assistant", "content": earlier["alpha"].body["choices"][0]["message"]["content"]}]
         busy = {"model": fleet.model, "messages": [*turn, {"role": "user", "content": "now explain every tier at length"}]}
-        busy |= {"tools": TOOLS, "tool_choice": "none", "temperature": 0.0, "ignore_eos": True, "stream": True}
+        busy |= {"temperature": 0.0, "ignore_eos": True, "stream": True}
         busy["max_tokens"] = MAX_MODEL_LEN - earlier["alpha"].body["usage"]["prompt_tokens"] - 4 * BLOCK
         with httpx.stream("POST", f"{router.url}{CHAT}", json=busy, headers={"x-session-id": "alpha"}, timeout=120) as long:
             assert (long.status_code, long.headers["x-kvstore-replica"], long.headers["x-kvstore-route"]) == (200, a.node_id, "sticky")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -90,6 +91,12 @@ class RouterProcess:
     url: str
     process: subprocess.Popen
     log: Path
+    config: Path
+
+    def reload(self, text: str) -> None:
+        """Rewrite its configuration file and have it read the file again (SIGHUP)."""
+        self.config.write_text(text)
+        self.process.send_signal(signal.SIGHUP)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -104,12 +111,9 @@ class RouterProcess:
         return httpx.get(f"{self.url}/metrics", timeout=10).text
 
 
-def start_router(
-    workdir: Path, name: str, model: Path, redis_url: str, replicas: list[Replica], routing: dict | None = None, **settings
-) -> RouterProcess:
-    """`kvstore router` in front of ``replicas``, with ``settings`` in [router] and ``routing``
-    (the cost model's speeds) in [routing]."""
-    port = free_port()
+def router_config(model: Path, redis_url: str, port: int, replicas: list[Replica], routing: dict | None = None, **settings) -> str:
+    """The TOML of a router in front of ``replicas``, with ``settings`` in [router] and
+    ``routing`` (the cost model's speeds) in [routing]."""
     settings = {"index": redis_url, "port": port, "health_interval_s": 0.5, **settings}
     lines = ["[router]", *(f"{key} = {json.dumps(value)}" for key, value in settings.items())]
     lines += ["[router.namespace]", *_namespace_lines(model)]
@@ -117,14 +121,22 @@ def start_router(
         lines += ["[[router.replicas]]", f'url = "{replica.url}"', f'node_id = "{replica.node_id}"', f'role = "{replica.role}"']
     routing = {"remote_fetch": False, **(routing or {})}
     lines += ["[routing]", *(f"{key} = {json.dumps(value)}" for key, value in routing.items())]
+    return "\n".join(lines) + "\n"
+
+
+def start_router(
+    workdir: Path, name: str, model: Path, redis_url: str, replicas: list[Replica], routing: dict | None = None, **settings
+) -> RouterProcess:
+    """`kvstore router` in front of ``replicas`` (see `router_config`), from the file ``<name>.toml``."""
+    port = free_port()
     config = workdir / f"{name}.toml"
-    config.write_text("\n".join(lines) + "\n")
+    config.write_text(router_config(model, redis_url, port, replicas, routing, **settings))
     log = workdir / f"{name}.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvstore", "router", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT
         )
-    router = RouterProcess(f"http://127.0.0.1:{port}", process, log)
+    router = RouterProcess(f"http://127.0.0.1:{port}", process, log, config)
     deadline = time.monotonic() + 60
     while True:
         try:

@@ -613,6 +613,15 @@ def router(
     sends each request to the replica whose cache holds most of its prefix (the cost
     model of `Index.Route`), keeps sessions on their replica, and retries another when
     one fails before answering. Needs the [router] extra (pip install 'kvstore[router]').
+
+    Scale up or down without a restart: edit the [[router.replicas]] of the --config
+    file and send the router SIGHUP (kill -HUP PID). It reads the file again (with this
+    command line's --replica and --set over it), adopts the replica list, and logs what
+    changed: a new replica enters rotation at its first passing health check, a removed
+    one leaves at once (its sessions move at their next request). Other settings take a
+    restart. A file that does not load is refused, logged, and the running list kept.
+    kvstore_router_config_reloads_total{result} and
+    kvstore_router_config_last_reload_successful on /metrics say how it went.
     """
     try:
         from kvstore.gateway import ReplicaConfig, load_router_config, run_router
@@ -638,7 +647,7 @@ def router(
     except KVStoreError as exc:
         _fail(str(exc), EXIT_USAGE)
     click.echo(f"kvstore router on http://{config.host}:{config.port} in front of {', '.join(r.url for r in config.replicas)}", err=True)
-    run_router(config)
+    run_router(config, functools.partial(load_router_config, config_path, overrides, given) if config_path is not None else None)
 
 
 if __name__ == "__main__":

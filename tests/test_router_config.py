@@ -3,6 +3,7 @@ dashboard against the metrics the router exposes. (Real engines: test_router_htt
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -13,10 +14,11 @@ from prometheus_client import generate_latest
 
 from kvstore.cli import main
 from kvstore.config import ConfigError, load_config
-from kvstore.gateway.config import ReplicaConfig, load_router_config
+from kvstore.gateway.config import ReplicaConfig, load_router_config, replica_changes
 from kvstore.gateway.metrics import OTHER_TENANT, RouterMetrics, TenantLabels
 from kvstore.gateway.prompts import BadRequest, prompt_token_ids, session_of, tokenize_request, tokens_digest
-from kvstore.gateway.replicas import Replica, engine_queue
+from kvstore.gateway.reload import ConfigReload
+from kvstore.gateway.replicas import Replica, ReplicaSet, engine_queue
 from kvstore.gateway.summary import histogram_quantile, router_summary
 from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
@@ -93,10 +95,120 @@ def test_a_namespace_without_its_geometry_and_duplicate_replicas_are_refused(tmp
         load_router_config(path, replicas=[ReplicaConfig("http://10.0.0.9:8000", "gpu-1")])
 
 
+GPU_2 = """
+[[router.replicas]]
+url = "http://10.0.0.2:8000"
+node_id = "gpu-2"
+"""
+
+
+class Reloadable:
+    """A router's configuration file, its replica set and metrics, and the SIGHUP reload over them."""
+
+    def __init__(self, path: Path, text: str = CONFIG) -> None:
+        self.path = path
+        path.write_text(text)
+        self.config = load_router_config(path)
+        self.metrics = RouterMetrics([r.node_id for r in self.config.replicas], max_tenants=4)
+        self.replicas = ReplicaSet.of(self.config.replicas, self.metrics)
+        self.reload = ConfigReload(functools.partial(load_router_config, path), self.replicas, self.metrics)
+
+    def sighup(self, text: str) -> None:
+        self.path.write_text(text)
+        self.config = self.reload(self.config)
+
+    def value(self, name: str, **labels) -> float | None:
+        return self.metrics.registry.get_sample_value(name, labels)
+
+
+def test_a_reload_adds_the_files_new_replica_out_of_rotation_and_keeps_the_running_ones(tmp_path, caplog):
+    router = Reloadable(tmp_path / "kvstore.toml")
+    gpu_1 = router.replicas.replicas["gpu-1"]
+    gpu_1.healthy, gpu_1.in_flight = True, 2
+    caplog.set_level("INFO", logger="kvstore.router")
+    router.sighup(CONFIG.replace("port = 9001", "port = 9005") + GPU_2)
+    assert [r.node_id for r in router.config.replicas] == ["gpu-1", "gpu-2"]
+    assert router.config.port == 9001  # the socket it listens on takes a restart
+    assert router.replicas.replicas["gpu-1"] is gpu_1 and gpu_1.in_flight == 2  # its state and its load stay
+    assert [c.node_id for c in router.replicas.candidates(set())] == ["gpu-1"]  # gpu-2 once its health check passes
+    # the new replica's series exist at once, and its requests count in the hit rates' spread
+    assert router.value("kvstore_router_replica_healthy", replica="gpu-2") == 0
+    assert router.value("kvstore_router_in_flight", replica="gpu-2") == 0
+    router.metrics.usage("gpu-2", "t", 100, 50)
+    assert router.value("kvstore_router_hit_rate", replica="gpu-2") == 0.5
+    assert router.value("kvstore_router_hit_rate_spread", stat="std") == pytest.approx(0.25)
+    assert router.value("kvstore_router_config_reloads_total", result="applied") == 1
+    assert router.value("kvstore_router_config_last_reload_successful") == 1
+    assert "configuration reloaded: added gpu-2; router.port changed too, which takes a restart" in caplog.text
+
+
+def test_a_reload_takes_a_removed_replica_out_and_a_moved_one_back_to_unchecked(tmp_path):
+    router = Reloadable(tmp_path / "kvstore.toml", CONFIG + GPU_2)
+    for replica in router.replicas.replicas.values():
+        replica.healthy = True
+    gpu_1, gpu_2 = router.replicas.replicas["gpu-1"], router.replicas.replicas["gpu-2"]
+    gpu_1.in_flight = 1
+    before = router.config
+    moved = CONFIG.split("[[router.replicas]]")[0] + GPU_2.replace("10.0.0.2", "10.0.0.3") + "[routing]\nmargin_s = 1.5\n"
+    router.sighup(moved)
+    changes = replica_changes(before, load_router_config(router.path))
+    assert (changes.added, changes.removed, changes.changed, changes.not_applied) == ((), ("gpu-1",), ("gpu-2",), ())
+    assert [r.url for r in router.config.replicas] == ["http://10.0.0.3:8000"]
+    assert router.replicas.candidates(set()) == []  # gpu-2 at its new url: checked before it serves
+    assert router.replicas.replicas["gpu-2"] is not gpu_2 and not router.replicas.serves(gpu_2)
+    for gauge in ("kvstore_router_replica_healthy", "kvstore_router_in_flight", "kvstore_router_hit_rate"):
+        assert router.value(gauge, replica="gpu-1") is None  # a replica that left has no state to show
+    # gpu-1's request in flight finishes after the reload: its counters count, its gauges stay gone
+    gpu_1.in_flight -= 1
+    router.replicas.publish_load(gpu_1)
+    router.replicas.mark_down(gpu_1, "connect refused")
+    router.metrics.usage("gpu-1", "t", 100, 100)
+    assert router.value("kvstore_router_in_flight", replica="gpu-1") is None
+    assert router.value("kvstore_router_replica_healthy", replica="gpu-1") is None
+    assert router.value("kvstore_router_cached_tokens_total", replica="gpu-1") == 100
+    assert router.value("kvstore_router_hit_rate_spread", stat="std") == 0  # gpu-2 alone
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (CONFIG + "[[router.replicas]\n", "is not valid TOML"),
+        (CONFIG.split("[[router.replicas]]")[0], "router.replicas is empty"),
+        (CONFIG + GPU_2.replace("gpu-2", "gpu-1"), "node_id must be unique"),
+        (CONFIG + GPU_2.replace("http://", "tcp://"), "url must be an http:// or https:// URL"),
+        (None, "cannot read the configuration file"),
+    ],
+)
+def test_a_reload_of_a_bad_file_is_refused_with_a_sentence_and_the_running_list_kept(tmp_path, caplog, text, words):
+    router = Reloadable(tmp_path / "kvstore.toml")
+    gpu_1 = router.replicas.replicas["gpu-1"]
+    running = router.config
+    if text is None:
+        router.path.unlink()
+        router.config = router.reload(router.config)
+    else:
+        router.sighup(text)
+    assert router.config is running and router.replicas.replicas == {"gpu-1": gpu_1}
+    assert router.value("kvstore_router_config_reloads_total", result="refused") == 1
+    assert router.value("kvstore_router_config_reloads_total", result="applied") == 0
+    assert router.value("kvstore_router_config_last_reload_successful") == 0
+    assert "configuration reload refused, the replica list stays gpu-1:" in caplog.text and words in caplog.text
+    router.sighup(CONFIG + GPU_2)  # the file fixed: the next SIGHUP applies it
+    assert router.value("kvstore_router_config_last_reload_successful") == 1 and len(router.config.replicas) == 2
+
+
+def test_a_router_started_without_a_file_has_nothing_to_reload(tmp_path, caplog):
+    router = Reloadable(tmp_path / "kvstore.toml")  # as if its settings had come from the command line
+    assert ConfigReload(None, router.replicas, router.metrics)(router.config) is router.config
+    assert "started without --config" in caplog.text
+    assert router.value("kvstore_router_config_reloads_total", result="refused") == 0
+
+
 def test_router_help_and_a_usage_error():
     runner = CliRunner()
     result = runner.invoke(main, ["router", "--help"])
     assert result.exit_code == 0 and "/v1/chat/completions" in result.output and "--replica" in result.output
+    assert "SIGHUP" in result.output
     result = runner.invoke(main, ["router", "--index", "redis://x:1/0", "--replica", "no-equals-sign"])
     assert result.exit_code == 2 and "URL=NODE_ID" in result.output
 

@@ -31,6 +31,7 @@ from vllm_venv import require_vllm_venv
 
 from bench.router_fleet import (
     BLOCK,
+    MAX_MODEL_LEN,
     Answer,
     KvEvents,
     digest_of,
@@ -38,6 +39,7 @@ from bench.router_fleet import (
     engines_config,
     model_with_chat_template,
     post,
+    router_config,
     start_router,
     start_servers,
     stream,
@@ -93,8 +95,26 @@ class Fleet:
         assert answer.status == 200, answer.body
         return answer
 
-    def start_router(self, name: str, **settings):
-        return start_router(self.workdir, name, self.model_path, self.redis_url, self.replicas, max_body_bytes=MAX_BODY_BYTES, **settings)
+    def start_router(self, name: str, replicas: list | None = None, **settings):
+        replicas = self.replicas if replicas is None else replicas
+        return start_router(self.workdir, name, self.model_path, self.redis_url, replicas, max_body_bytes=MAX_BODY_BYTES, **settings)
+
+    def reload_router(self, router, replicas: list, **settings) -> None:
+        """Rewrite ``router``'s file (as `start_router` wrote it, with ``replicas``) and SIGHUP it."""
+        port = httpx.URL(router.url).port
+        router.reload(router_config(self.model_path, self.redis_url, port, replicas, max_body_bytes=MAX_BODY_BYTES, **settings))
+
+    def matches(self, keys: list) -> dict[str, NodeMatch]:
+        """What the index answers for the chain ``keys``, by node."""
+
+        async def ask():
+            index = RedisIndex.from_url(self.redis_url)
+            try:
+                return {m.node_id: m for m in await index.match(engine_namespace(self.model_path).digest, keys)}
+            finally:
+                await index.close()
+
+        return asyncio.run(ask())
 
 
 @pytest.fixture(scope="module")
@@ -259,14 +279,7 @@ def test_an_engines_gpu_prefix_cache_is_in_the_index_and_the_router_sends_its_pr
     keys = chain_hashes(ids, BLOCK)
 
     def matches() -> dict[str, NodeMatch]:
-        async def ask():
-            index = RedisIndex.from_url(fleet.redis_url)
-            try:
-                return {m.node_id: m for m in await index.match(namespace.digest, keys)}
-            finally:
-                await index.close()
-
-        return asyncio.run(ask())
+        return fleet.matches(keys)
 
     # the engine's KV events put its prompt's blocks in the index as tier gpu, under its own node
     deadline = time.monotonic() + 20
@@ -432,6 +445,108 @@ def test_the_router_runs_prefill_and_decode_on_their_replicas_with_the_kv_handed
         assert streamed.status == 200 and streamed.replica == decode.node_id
         tokens = [t for event in streamed.events for choice in event.get("choices", []) for t in choice.get("token_ids") or []]
         assert len(tokens) == 12
+    finally:
+        router.stop()
+
+
+def test_a_replica_that_joins_is_warmed_and_takes_new_sessions_while_the_first_one_is_busy(fleet):
+    a, b = fleet.replicas
+    # this router checks its replicas at start and on SIGHUP only: the engines' own queue
+    # gauges, read by a check, never count a request this test has already finished
+    router = fleet.start_router("router-scale-up", replicas=[a], health_interval_s=600)
+    try:
+        # a prompt neither replica has seen, from its first block on: no tools, whose blocks lead
+        # the other tests' prompts (and which one of them evicts from replica-a's daemon, where
+        # the engine's GPU cache still serves them: what its daemon saves after them has no root
+        # there, and a chain without its root is not warmed)
+        system = {"role": "system", "content": system_prompt("scale up")}
+
+        def question(name: str) -> list[dict]:  # its own text fills blocks of the session's own
+            return [system, {"role": "user", "content": f"{name}: " + " ".join(f"{name}-{i}" for i in range(40))}]
+
+        def ask(messages: list[dict], session: str) -> Answer:
+            payload = {"model": fleet.model, "messages": messages, "max_tokens": 8, "temperature": 0.0, "return_token_ids": True}
+            answer = post(router.url, CHAT, payload, {"x-session-id": session})
+            assert answer.status == 200, answer.body
+            return answer
+
+        earlier = {session: ask(question(session), session) for session in ("alpha", "beta")}
+        assert {answer.replica for answer in earlier.values()} == {a.node_id}
+        first_ids, second_ids = (answer.body["prompt_token_ids"] for answer in earlier.values())
+        common = next(i for i, (x, y) in enumerate(zip(first_ids, second_ids)) if x != y)
+        shared = chain_hashes(first_ids[: common // BLOCK * BLOCK], BLOCK)  # the system prompt's full blocks
+        assert len(shared) >= 8 and len(first_ids) - len(shared) * BLOCK >= 2 * BLOCK
+
+        def held(node_id: str) -> int:  # blocks of the shared prefix that the node's daemon holds, as the index says
+            match = fleet.matches(shared).get(node_id)
+            return match.num_blocks if match else 0
+
+        def wait_until_held(node_id: str) -> None:  # daemons publish their blocks in batches
+            deadline = time.monotonic() + 20
+            while held(node_id) != len(shared):
+                assert time.monotonic() < deadline, fleet.matches(shared)
+                time.sleep(0.2)
+
+        wait_until_held(a.node_id)
+        assert held(b.node_id) == 0
+
+        # a file that does not load is refused, and the router keeps routing to replica-a alone
+        router.reload("[[router.replicas]\n")
+        deadline = time.monotonic() + 20
+        while metric(router.metrics(), "kvstore_router_config_reloads_total", result="refused") != 1:
+            assert time.monotonic() < deadline, router.log.read_text()
+            time.sleep(0.2)
+        assert "configuration reload refused, the replica list stays replica-a:" in router.log.read_text()
+        assert metric(router.metrics(), "kvstore_router_config_last_reload_successful") == 0
+
+        # replica-b joins: its daemon fetches the fleet's shared prefixes, then the router lists it
+        command = [sys.executable, "-m", "kvstore", "--address", b.daemon.address, "--json", "warm", "--from", a.node_id]
+        warmed = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert warmed.returncode == 0, warmed.stderr
+        assert json.loads(warmed.stdout)["blocks_by_peer"][a.node_id] > 0
+        wait_until_held(b.node_id)
+        fleet.reload_router(router, [a, b], health_interval_s=600)
+        deadline = time.monotonic() + 30
+        while metric(router.metrics(), "kvstore_router_replica_healthy", replica=b.node_id) != 1:
+            assert time.monotonic() < deadline, router.log.read_text()
+            time.sleep(0.2)
+        text = router.metrics()
+        assert metric(text, "kvstore_router_config_reloads_total", result="applied") == 1
+        assert metric(text, "kvstore_router_config_last_reload_successful") == 1
+        assert metric(text, "kvstore_router_in_flight", replica=b.node_id) == 0
+        assert f"configuration reloaded: added {b.node_id}." in router.log.read_text()
+
+        # replica-a is busy: a long answer of session alpha's streams while new sessions arrive
+        turn = question("alpha") + [{"role": "assistant", "content": earlier["alpha"].body["choices"][0]["message"]["content"]}]
+        busy = {"model": fleet.model, "messages": [*turn, {"role": "user", "content": "now explain every tier at length"}]}
+        busy |= {"temperature": 0.0, "ignore_eos": True, "stream": True}
+        busy["max_tokens"] = MAX_MODEL_LEN - earlier["alpha"].body["usage"]["prompt_tokens"] - 4 * BLOCK
+        with httpx.stream("POST", f"{router.url}{CHAT}", json=busy, headers={"x-session-id": "alpha"}, timeout=120) as long:
+            assert (long.status_code, long.headers["x-kvstore-replica"], long.headers["x-kvstore-route"]) == (200, a.node_id, "sticky")
+            lines = long.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # its first event: it decodes on replica-a
+            assert metric(router.metrics(), "kvstore_router_in_flight", replica=a.node_id) == 1
+            # new sessions go where the prefix is as cheap and nothing waits: the warmed replica-b,
+            # which loads the shared blocks from its daemon (it never computed them)
+            for session in ("gamma", "delta"):
+                new = ask(question(session), session)
+                assert (new.replica, new.headers["x-kvstore-route"]) == (b.node_id, "best_cost")
+                assert new.body["prompt_token_ids"][: len(shared) * BLOCK] == first_ids[: len(shared) * BLOCK]
+                assert int(new.headers["x-kvstore-expected-cached-tokens"]) >= len(shared) * BLOCK
+                assert new.cached_tokens >= len(shared) * BLOCK, new.body["usage"]
+            # the earlier session not in flight stays where its own blocks are
+            follow_up = question("beta") + [{"role": "assistant", "content": earlier["beta"].body["choices"][0]["message"]["content"]}]
+            again = ask([*follow_up, {"role": "user", "content": "and the next step"}], "beta")
+            assert (again.replica, again.headers["x-kvstore-route"]) == (a.node_id, "sticky")
+            assert metric(router.metrics(), "kvstore_router_in_flight", replica=a.node_id) == 1  # busy all along
+        deadline = time.monotonic() + 20
+        while metric(router.metrics(), "kvstore_router_in_flight", replica=a.node_id) != 0:  # the stream's close reached it
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        text = router.metrics()
+        assert metric(text, "kvstore_router_requests_total", replica=b.node_id, status="200") == 2
+        assert metric(text, "kvstore_router_cached_tokens_total", replica=b.node_id) >= 2 * len(shared) * BLOCK
+        assert metric(text, "kvstore_router_requests_total", replica="none") == 0
     finally:
         router.stop()
 

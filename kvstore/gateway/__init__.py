@@ -1,16 +1,27 @@
 """`kvstore router`: the OpenAI-compatible, prefix- and session-aware front door for engine
-replicas (app.py), its configuration (config.py), metrics (metrics.py) and the cache
-bytes held per tenant (tenant_cache.py)."""
+replicas (app.py), its configuration (config.py), reloaded on SIGHUP (reload.py), its
+metrics (metrics.py) and the cache bytes held per tenant (tenant_cache.py)."""
+
+from collections.abc import Callable
 
 from kvstore.gateway.config import ReplicaConfig, RouterConfig, load_router_config
 
 __all__ = ["ReplicaConfig", "RouterConfig", "load_router_config", "run_router"]
 
 
-def run_router(config: RouterConfig) -> None:
-    """Serve until SIGINT or SIGTERM (uvicorn's handlers)."""
+def run_router(config: RouterConfig, load: Callable[[], RouterConfig] | None = None) -> None:
+    """Serve until SIGINT or SIGTERM (uvicorn's handlers); on SIGHUP, ``load`` the
+    configuration again and adopt its replica list."""
+    import logging
+
     import uvicorn
 
     from kvstore.gateway.app import build_app
 
-    uvicorn.run(build_app(config), host=config.host, port=config.port, log_level="warning", lifespan="on", access_log=False)
+    # the router's own sentences (replicas in and out of rotation, reloads) on stderr; not
+    # the root logger's, which would add a line per health-check request of httpx
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logging.getLogger("kvstore").addHandler(handler)
+    logging.getLogger("kvstore").setLevel(logging.INFO)
+    uvicorn.run(build_app(config, load), host=config.host, port=config.port, log_level="warning", lifespan="on", access_log=False)

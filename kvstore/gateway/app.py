@@ -23,6 +23,9 @@ is excluded and the request routed again, at most ``max_attempts`` replicas in a
 session moves with the failure named in the recorded reason. Once a byte has gone to the
 client the answer is the engine's, whatever happens.
 
+On SIGHUP the router re-reads its configuration file and adopts its replica list
+(reload.py): a replica joins, or leaves, without a restart.
+
 Owner: one asyncio event loop (uvicorn's); nothing here is shared across threads.
 """
 
@@ -32,9 +35,10 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +65,7 @@ from kvstore.gateway.prompts import (
     tokens_digest,
     unkeyed_inputs,
 )
+from kvstore.gateway.reload import ConfigReload
 from kvstore.gateway.replicas import Replica, ReplicaSet
 from kvstore.gateway.tenant_cache import RecentChains, TenantCache
 from kvstore.hashing import chain_hashes
@@ -92,10 +97,12 @@ class _NoReplica(Exception):
 
 
 class Gateway:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, load: Callable[[], RouterConfig] | None = None) -> None:
+        """``load`` reads the configuration again, on SIGHUP (reload.py)."""
         self.config = config
         self.metrics = RouterMetrics([r.node_id for r in config.replicas], config.max_tenants)
         self.replicas = ReplicaSet.of(config.replicas, self.metrics)
+        self.reload = ConfigReload(load, self.replicas, self.metrics)
         self.index, self.sessions = open_index(IndexConfig(backend=config.index))
         self.router = Router(None, self.index, self.sessions, config.routing)
         recent = RecentChains(config.tenant_cache_chains, config.tenant_cache_blocks)
@@ -105,6 +112,7 @@ class Gateway:
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
         )
         self._tasks: list[asyncio.Task] = []
+        self._reload_checks: set[asyncio.Task] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -114,16 +122,27 @@ class Gateway:
             asyncio.create_task(self.replicas.run_checks(self.client, self.config.health_interval_s, self.config.connect_timeout_s)),
             asyncio.create_task(self.tenant_cache.run(self.config.tenant_cache_interval_s)),
         ]
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, self._on_hangup)
         try:
             yield
         finally:
-            for task in self._tasks:
+            loop.remove_signal_handler(signal.SIGHUP)
+            for task in (*self._reload_checks, *self._tasks):
                 task.cancel()
             for task in self._tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await self.client.aclose()
             await self.index.close()
+
+    def _on_hangup(self) -> None:
+        """SIGHUP: adopt the file's replica list, and check the replicas now rather than at
+        the next interval, so that a joining one enters rotation as soon as it answers."""
+        self.config = self.reload(self.config)
+        task = asyncio.get_running_loop().create_task(self.replicas.check(self.client, self.config.connect_timeout_s))
+        self._reload_checks.add(task)
+        task.add_done_callback(self._reload_checks.discard)
 
     # -- endpoints ------------------------------------------------------------------------
     async def health(self, _request: Request) -> Response:
@@ -302,6 +321,7 @@ class Gateway:
         excluded = set() if excluded is None else excluded
         failures: list[str] = []
         for _attempt in range(self.config.max_attempts):
+            members = dict(self.replicas.replicas)  # a reload while the decision awaits the index must not lose its replica
             candidates = self.replicas.candidates(excluded, roles, model)
             if not candidates:
                 break
@@ -314,12 +334,12 @@ class Gateway:
             self.metrics.decisions.labels(kind).inc()
             if decision.moved_from is not None:
                 self.metrics.session_moves.labels(kind).inc()
-            replica = self.replicas.replicas[decision.node_id]
+            replica = members[decision.node_id]
             uncached = max(len(token_ids) - decision.expected_cached_tokens, 0)
             replica.in_flight += 1
             replica.num_prefilling += 1
             replica.queued_tokens += uncached
-            self.metrics.in_flight.labels(replica.node_id).set(replica.in_flight)
+            self.replicas.publish_load(replica)
             started = time.monotonic()
             try:
                 upstream = await self.client.send(
@@ -404,11 +424,11 @@ class Gateway:
         replica.in_flight -= 1
         replica.num_prefilling -= 1
         replica.queued_tokens -= uncached
-        self.metrics.in_flight.labels(replica.node_id).set(replica.in_flight)
+        self.replicas.publish_load(replica)
 
     def _finish(self, routed: _Routed) -> None:
         routed.replica.in_flight -= 1
-        self.metrics.in_flight.labels(routed.replica.node_id).set(routed.replica.in_flight)
+        self.replicas.publish_load(routed.replica)
 
     async def _relay(self, routed: _Routed, tenant: str) -> AsyncIterator[bytes]:
         """The engine's stream, chunk by chunk as it arrives; the tail is kept for its usage."""
@@ -500,8 +520,8 @@ def _stream_usage(tail: bytes) -> dict | None:
     return None
 
 
-def build_app(config: RouterConfig) -> Starlette:
-    gateway = Gateway(config)
+def build_app(config: RouterConfig, load: Callable[[], RouterConfig] | None = None) -> Starlette:
+    gateway = Gateway(config, load)
     routes = [
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),

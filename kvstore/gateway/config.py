@@ -37,7 +37,7 @@ from kvstore.engines_config import namespace_from
 from kvstore.index.base import MAX_CHAIN_BLOCKS
 from kvstore.namespace import Namespace
 
-__all__ = ["ReplicaConfig", "RouterConfig", "load_router_config", "namespace_from"]
+__all__ = ["ReplicaChanges", "ReplicaConfig", "RouterConfig", "load_router_config", "namespace_from", "replica_changes"]
 
 _ROLES = ("both", "prefill", "decode")
 
@@ -174,3 +174,38 @@ def load_router_config(
     settings["routing"] = _routing(document.get("routing", {}))
     settings.setdefault("index", "")
     return RouterConfig(**settings)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaChanges:
+    """What a reloaded configuration changes: its replica list against the running one
+    (by node id), and the other settings it changes, which apply only at the next start."""
+
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+    changed: tuple[str, ...]  # the same node id at another url or in another role
+    not_applied: tuple[str, ...]  # router settings that differ: the running ones stay
+
+    def describe(self) -> str:
+        listed = (("added", self.added), ("removed", self.removed), ("changed", self.changed))
+        parts = [f"{what} {', '.join(ids)}" for what, ids in listed if ids]
+        sentence = "; ".join(parts) if parts else "the replica list is unchanged"
+        if self.not_applied:
+            sentence += f"; {', '.join(self.not_applied)} changed too, which takes a restart: kept as they were"
+        return sentence
+
+
+def replica_changes(current: RouterConfig, new: RouterConfig) -> ReplicaChanges:
+    before = {r.node_id: r for r in current.replicas}
+    after = {r.node_id: r for r in new.replicas}
+    not_applied = tuple(
+        "routing" if f.name == "routing" else f"router.{f.name}"
+        for f in dataclasses.fields(RouterConfig)
+        if f.name != "replicas" and getattr(current, f.name) != getattr(new, f.name)
+    )
+    return ReplicaChanges(
+        added=tuple(node_id for node_id in after if node_id not in before),
+        removed=tuple(node_id for node_id in before if node_id not in after),
+        changed=tuple(node_id for node_id, r in after.items() if node_id in before and before[node_id] != r),
+        not_applied=not_applied,
+    )

@@ -8,7 +8,10 @@ variation), routing decisions by reason, session moves, retries, requests in fli
 Per tenant (a header, else a digest of the API key), prompt, computed and cached tokens,
 and the cache bytes and blocks its recent chains hold (tenant_cache.py); the first
 ``max_tenants`` tenants seen get a label each, any later one shares ``other``, so a client
-cannot grow the label set without bound.
+cannot grow the label set without bound. Configuration reloads by result, and whether the
+last one was applied (as Prometheus's own ``prometheus_config_last_reload_successful``).
+A replica's series appear when it is listed, at start or by a reload; its gauges go when a
+reload removes it.
 
 Owner: the router's event loop.
 """
@@ -111,13 +114,41 @@ class RouterMetrics:
             ["tenant"],
             registry=r,
         )
-        self._prompt_by_replica = dict.fromkeys(replica_ids, 0)
-        self._cached_by_replica = dict.fromkeys(replica_ids, 0)
-        for replica_id in replica_ids:  # every replica's series exists from the start
-            self.in_flight.labels(replica_id).set(0)
-            self.hit_rate.labels(replica_id).set(0)
-        self.hit_rate_spread.labels("std").set(0)
-        self.hit_rate_spread.labels("cv").set(0)
+        self.config_reloads = Counter(
+            "kvstore_router_config_reloads", "Configuration reloads (SIGHUP), by result: applied or refused", ["result"], registry=r
+        )
+        self.config_last_reload_successful = Gauge(
+            "kvstore_router_config_last_reload_successful", "1 unless the last configuration reload was refused", registry=r
+        )
+        self.config_last_reload_successful.set(1)
+        for result in ("applied", "refused"):
+            self.config_reloads.labels(result)
+        self._prompt_by_replica: dict[str, int] = {}
+        self._cached_by_replica: dict[str, int] = {}
+        for replica_id in replica_ids:
+            self.add_replica(replica_id)
+        self._spread()
+
+    def add_replica(self, replica_id: str) -> None:
+        """The replica's series exist from when it joins (out of rotation until checked)."""
+        self.in_flight.labels(replica_id).set(0)
+        self.healthy.labels(replica_id).set(0)
+        self.hit_rate.labels(replica_id).set(0)
+        self._prompt_by_replica.setdefault(replica_id, 0)
+        self._cached_by_replica.setdefault(replica_id, 0)
+        self._spread()
+
+    def remove_replica(self, replica_id: str) -> None:
+        """A replica that left: its gauges go; its counters and histograms keep their history."""
+        for gauge in (self.in_flight, self.healthy, self.hit_rate):
+            gauge.remove(replica_id)
+        self._prompt_by_replica.pop(replica_id, None)
+        self._cached_by_replica.pop(replica_id, None)
+        self._spread()
+
+    def reloaded(self, applied: bool) -> None:
+        self.config_reloads.labels("applied" if applied else "refused").inc()
+        self.config_last_reload_successful.set(1 if applied else 0)
 
     def usage(self, replica_id: str, tenant: str, prompt_tokens: int, cached_tokens: int) -> None:
         computed = max(prompt_tokens - cached_tokens, 0)
@@ -128,14 +159,19 @@ class RouterMetrics:
         self.tenant_prompt_tokens.labels(label).inc(prompt_tokens)
         self.tenant_prefill_tokens.labels(label).inc(computed)
         self.tenant_cached_tokens.labels(label).inc(cached_tokens)
-        self._prompt_by_replica[replica_id] += prompt_tokens
-        self._cached_by_replica[replica_id] += cached_tokens
+        if replica_id in self._prompt_by_replica:  # else it left while this request was in flight
+            self._prompt_by_replica[replica_id] += prompt_tokens
+            self._cached_by_replica[replica_id] += cached_tokens
+            self._spread()
+
+    def _spread(self) -> None:
+        """Each listed replica's hit rate, and their spread."""
         rates = []
         for node_id, prompt in self._prompt_by_replica.items():
             rate = self._cached_by_replica[node_id] / prompt if prompt else 0.0
             self.hit_rate.labels(node_id).set(rate)
             rates.append(rate)
-        mean = sum(rates) / len(rates)
-        std = math.sqrt(sum((rate - mean) ** 2 for rate in rates) / len(rates))
+        mean = sum(rates) / len(rates) if rates else 0.0
+        std = math.sqrt(sum((rate - mean) ** 2 for rate in rates) / len(rates)) if rates else 0.0
         self.hit_rate_spread.labels("std").set(std)
         self.hit_rate_spread.labels("cv").set(std / mean if mean else 0.0)

@@ -11,6 +11,11 @@ from the router's configuration, follows vLLM's runtime ``/v1/load_lora_adapter`
 ``/v1/unload_lora_adapter`` within a health interval; an adapter re-pointed in between
 costs a recompute, never wrong KV (the engine keys with its own path).
 
+The list itself changes when the router reloads its configuration (`ReplicaSet.adopt`):
+a replica new to it starts unhealthy, out of rotation until its first passing check; one
+no longer listed leaves at once, while its requests in flight finish on the `Replica`
+they hold, which no longer writes the set's metrics.
+
 Owner: the router's event loop.
 """
 
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +101,28 @@ class ReplicaSet:
     def of(cls, configs: Iterable[ReplicaConfig], metrics: RouterMetrics) -> ReplicaSet:
         return cls({c.node_id: Replica(c) for c in configs}, metrics)
 
+    def adopt(self, configs: Sequence[ReplicaConfig]) -> None:
+        """Make ``configs`` the list. A replica listed as it was keeps its state (health,
+        load); a new one, or one whose url or role changed, starts out of rotation."""
+        adopted: dict[str, Replica] = {}
+        for config in configs:
+            current = self.replicas.get(config.node_id)
+            adopted[config.node_id] = current if current is not None and current.config == config else Replica(config)
+        for node_id in self.replicas.keys() - adopted.keys():
+            self.metrics.remove_replica(node_id)
+        for replica in adopted.values():
+            if self.replicas.get(replica.node_id) is not replica:
+                self.metrics.add_replica(replica.node_id)
+        self.replicas = adopted
+
+    def serves(self, replica: Replica) -> bool:
+        """``replica`` is (still) in the list: not one a reload removed or replaced."""
+        return self.replicas.get(replica.node_id) is replica
+
+    def publish_load(self, replica: Replica) -> None:
+        if self.serves(replica):
+            self.metrics.in_flight.labels(replica.node_id).set(replica.in_flight)
+
     def candidates(
         self, excluded: set[str], roles: tuple[str, ...] = ("both", "prefill", "decode"), model: str | None = None
     ) -> list[Candidate]:
@@ -128,7 +155,7 @@ class ReplicaSet:
         if replica.healthy:
             logger.warning("kvstore router: replica %s (%s) taken out of rotation: %s", replica.node_id, replica.config.url, why)
         replica.healthy = False
-        self.metrics.healthy.labels(replica.node_id).set(0)
+        self._publish_health(replica)
 
     async def check(self, client: httpx.AsyncClient, timeout_s: float) -> None:
         await asyncio.gather(*(self._check_one(client, replica, timeout_s) for replica in self.replicas.values()))
@@ -158,4 +185,8 @@ class ReplicaSet:
             replica.healthy = True
         elif not ok:
             self.mark_down(replica, why)
-        self.metrics.healthy.labels(replica.node_id).set(1 if replica.healthy else 0)
+        self._publish_health(replica)
+
+    def _publish_health(self, replica: Replica) -> None:
+        if self.serves(replica):
+            self.metrics.healthy.labels(replica.node_id).set(1 if replica.healthy else 0)

@@ -11,7 +11,6 @@ import torch
 
 from bench.redis_server import RedisServer, find_redis_server
 
-
 # Shared-memory files that processes killed by a test leave behind (a SIGKILLed daemon cannot
 # unlink its host slab; a killed vLLM engine leaves its message queues): the ones this run
 # created and no process still has open or mapped are removed when the run ends.

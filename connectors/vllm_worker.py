@@ -38,6 +38,7 @@ here, and is the only writer of ``saved_blocks`` and ``aborted_saves`` while it 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -90,6 +91,7 @@ class WorkerCounters:
     failed_blocks: int = 0  # promised by the scheduler, not loadable: recomputed
     saved_blocks: int = 0
     aborted_saves: int = 0
+    save_wait_s: float = 0.0  # how long the steps waited for their saves (copies and commits)
     handoff_blocks_sent: int = 0
     handoff_blocks_received: int = 0
     handoff_failures: int = 0
@@ -272,11 +274,13 @@ class WorkerSide:
             (spec, pending, all_layers and not any(block in self._failed_recently for block in spec.reads))
             for spec, pending in self._saves or ()
         ]
+        began = time.perf_counter()
         if self._deferred is None:
             self._commit(self._layer_saves, saves)
         elif metadata.saves:
             commit = partial(self._commit, self._layer_saves, saves) if saves else None
             self._deferred.submit((spec.req_id for spec in metadata.saves), self._layer_saves, commit)
+        self.counters.save_wait_s += time.perf_counter() - began
         self._leases, self._layer_loads = [], []
         self._saves, self._save_runs, self._layer_saves, self._saved_layers = None, [], [], set()
         self._first_failed, self._failed_this_step = {}, set()

@@ -20,17 +20,17 @@ queued here, and a step's record is read by the worker thread only once its futu
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
-from kvstore.connectors.vllm_compat import connector_logger
 from kvstore.connectors.vllm_layout import CopyJob, wait_all
 
 __all__ = ["DeferredSaves"]
 
-logger = connector_logger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, as vllm_compat.connector_logger; no vLLM import here
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,10 @@ the decode instance's daemon, and the decode instance loads it asynchronously wh
 same request arrives there marked ``do_remote_prefill`` with the ``kvstore_transfer_id``
 that ``request_finished`` returned on the prefill instance.
 
+A step's saves are committed after the step (``defer_saves``, the default;
+``vllm_saves``): a request that finishes with a save still in flight keeps its blocks
+until every rank reports it in ``finished_sending``.
+
 The scheduler half (``vllm_scheduler``) decides what each step loads, saves and hands
 off; the worker half (``vllm_worker``) moves the bytes; ``vllm_compat`` holds everything
 tied to one vLLM version. This class only routes vLLM's calls to the half that runs in

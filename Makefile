@@ -55,6 +55,7 @@ bench: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 	$(PY) -m bench.chaos
 	$(ENGINES_PY) -m bench.lmcache
 	$(PY) -m bench.e2e_vllm
+	$(PY) -m bench.vllm_saves
 	$(PY) -m bench.fleet
 
 bench-quick: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
@@ -65,6 +66,7 @@ bench-quick: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 	$(PY) -m bench.chaos --quick
 	$(ENGINES_PY) -m bench.lmcache --quick
 	$(PY) -m bench.e2e_vllm --quick
+	$(PY) -m bench.vllm_saves --quick
 
 # On a CUDA machine without network (the device tool's): the tests marked gpu and the GPU
 # overlap figure, with kvstore and the wheels in .whl/ installed into a scratch site.

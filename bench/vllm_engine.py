@@ -116,7 +116,10 @@ def _connector_counters(llm) -> dict | None:
     # with tensor parallelism the workers are processes of their own: the scheduler's half only
     worker = get_kv_transfer_group() if has_kv_transfer_group() else None
     counters = {}
-    for side in (getattr(scheduler, "_scheduler", None), getattr(worker, "_worker", None)):
+    worker_side = getattr(worker, "_worker", None)
+    if worker_side is not None:
+        worker_side.wait_for_saves()  # saves still committing beside the steps: their counts are final after
+    for side in (getattr(scheduler, "_scheduler", None), worker_side):
         if side is not None:
             counters.update(dataclasses.asdict(side.counters))
     return counters or None

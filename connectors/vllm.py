@@ -22,6 +22,10 @@ the decode instance's daemon, and the decode instance loads it asynchronously wh
 same request arrives there marked ``do_remote_prefill`` with the ``kvstore_transfer_id``
 that ``request_finished`` returned on the prefill instance.
 
+A step's saves are committed after the step (``defer_saves``, the default;
+``vllm_saves``): a request that finishes with a save still in flight keeps its blocks
+until every rank reports it in ``finished_sending``.
+
 The scheduler half (``vllm_scheduler``) decides what each step loads, saves and hands
 off; the worker half (``vllm_worker``) moves the bytes; ``vllm_compat`` holds everything
 tied to one vLLM version. This class only routes vLLM's calls to the half that runs in
@@ -42,6 +46,7 @@ from kvstore.connectors.vllm_compat import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     cache_hit_sources,
     check_supported,
     connector_logger,
@@ -105,11 +110,21 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self._scheduler.build_metadata(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # a handed-off request's bytes are in kvstore's slots by the end of its last
-        # step, so its blocks are freed at once
-        return False, self._scheduler.finished(request)
+        # True: its saves still copy out of its blocks (a handed-off request's bytes are
+        # in kvstore's slots by the end of its last step, so its blocks are freed at once)
+        return self._scheduler.finished(request)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.workers_reported(connector_output.kv_connector_worker_meta, connector_output.finished_sending)
+
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler.frees_pending()
 
     # -- worker side -----------------------------------------------------------------------
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KVStoreConnectorMetadata)
+        self._worker.flush_saves(kv_connector_metadata)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register(kv_caches)
 
@@ -126,7 +141,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._worker.finish_step(self._metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._worker.finished_receiving()
+        metadata = self._metadata() if self.has_connector_metadata() else None
+        return self._worker.finished_sending(metadata), self._worker.finished_receiving()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.save_progress()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.model_executor.models.utils import extract_layer_index
 
@@ -38,6 +39,7 @@ __all__ = [
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
     "KVConnectorRole",
+    "KVConnectorWorkerMetadata",
     "EngineGeometry",
     "STORE_INNER_ORDER",
     "engine_geometry",
@@ -47,6 +49,7 @@ __all__ = [
     "check_kv_cache",
     "ScheduledRequest",
     "scheduled_requests",
+    "preempted_requests",
     "first_group_block_ids",
     "prompt_token_ids",
     "transfer_params",
@@ -251,6 +254,11 @@ def scheduled_requests(output: SchedulerOutput) -> list[ScheduledRequest]:
             )
         )
     return requests
+
+
+def preempted_requests(output: SchedulerOutput) -> set[str]:
+    """Requests preempted in this step: vLLM freed their blocks and may reuse them in it."""
+    return set(output.preempted_req_ids or ())
 
 
 def prompt_token_ids(request: Any) -> list[int]:

@@ -4,7 +4,9 @@
 - ``namespace_for``: the kvstore namespace of one tensor-parallel rank of this engine;
 - ``KVStoreConnectorMetadata``: the scheduler's per-step instructions to the workers —
   which blocks to load into which engine blocks (from the store, or from a prefill
-  instance's handoff), which to save, which to hand off to a decode instance;
+  instance's handoff), which to save, which to hand off to a decode instance, and which
+  finished requests keep their blocks until their saves are committed;
+- ``SaveProgress``: the workers' answer, per step — the saves that are over;
 - the ``kv_transfer_params`` keys a PD proxy passes with a request.
 
 Metadata crosses vLLM's own scheduler→worker channel, so it holds only plain values.
@@ -16,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.connectors.vllm_compat import STORE_INNER_ORDER, EngineGeometry, KVConnectorMetadata
+from kvstore.connectors.vllm_compat import STORE_INNER_ORDER, EngineGeometry, KVConnectorMetadata, KVConnectorWorkerMetadata
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import BlockHash
 from kvstore.layout import KVLayout
@@ -39,6 +41,7 @@ __all__ = [
     "SaveSpec",
     "HandoffSpec",
     "KVStoreConnectorMetadata",
+    "SaveProgress",
     "TRANSFER_ID",
     "DESTINATION",
     "LOAD_WINDOW_STEPS",
@@ -62,6 +65,11 @@ class ConnectorSettings:
     # (vLLM's load_kv_async): a slow tier never stalls the batch; loads of faster tiers
     # are copied layer by layer inside the step
     async_load_tiers: tuple[TierKind, ...] = tuple(map(TierKind, _DEFAULT_ASYNC_LOAD_TIERS))
+    # True: a step's saves are committed beside the engine's steps and a finished request's
+    # blocks are kept until they are (vLLM's delayed free); False: each step waits for its
+    # saves, so the blocks are in the store when its output is — for a caller that sends
+    # the next request the moment the first one's output arrives and must find it stored
+    defer_saves: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
@@ -74,6 +82,7 @@ class ConnectorSettings:
             "daemon_timeout_s",
             "lookup_hold_s",
             "async_load_tiers",
+            "defer_saves",
         }
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -93,6 +102,8 @@ class ConnectorSettings:
         for key in ("socket_path", "tenant_salt", "model_id", "handoff_destination"):
             if not isinstance(extra.get(key, ""), str):
                 raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be a string.")
+        if not isinstance(extra.get("defer_saves", True), bool):
+            raise InvalidArgument(f"kv_connector_extra_config['defer_saves'] must be true or false, got {extra['defer_saves']!r}.")
         tiers = extra.get("async_load_tiers", _DEFAULT_ASYNC_LOAD_TIERS)
         loadable = {TierKind.HOST.value, TierKind.NVME.value}
         if not isinstance(tiers, (list, tuple)) or not all(isinstance(tier, str) and tier in loadable for tier in tiers):
@@ -108,6 +119,7 @@ class ConnectorSettings:
             daemon_timeout_s=float(timeouts["daemon_timeout_s"]),
             lookup_hold_s=float(timeouts["lookup_hold_s"]),
             async_load_tiers=tuple(TierKind(tier) for tier in dict.fromkeys(tiers)),
+            defer_saves=extra.get("defer_saves", True),
         )
 
 
@@ -187,3 +199,24 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     handoffs: list[HandoffSpec] = field(default_factory=list)
+    # finished requests whose blocks vLLM keeps until every rank reports them in
+    # ``finished_sending``: their saves may still be copying out of those blocks
+    delayed_frees: list[str] = field(default_factory=list)
+    # a request preempted in this step still has saves copying out of its blocks, which
+    # vLLM may give to another request in this very step: the copies end before it runs
+    preempted_saving: bool = False
+
+
+@dataclass
+class SaveProgress(KVConnectorWorkerMetadata):
+    """Per request, how many of its steps' saves ended (committed, aborted or failed) on
+    the ranks since their last report; vLLM sums the ranks' reports (``aggregate``)."""
+
+    settled: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> SaveProgress:
+        assert isinstance(other, SaveProgress)
+        settled = dict(self.settled)
+        for req_id, count in other.settled.items():
+            settled[req_id] = settled.get(req_id, 0) + count
+        return SaveProgress(settled)

@@ -14,6 +14,13 @@ passed, when vLLM takes none of the hit, when the request is looked up again or 
 and at ``lookup_hold_s`` at the latest. What could still fail (a block failing its
 checksum, a tier failing) is reported by the worker and recomputed, never served.
 
+With ``defer_saves`` a step's saves are committed after the step (vllm_saves): a request
+that finishes while a save of it may still copy out of its blocks keeps them —
+``finished`` answers True and the next step's metadata names it in ``delayed_frees`` —
+until every rank reports it in ``finished_sending``. What may still be in flight is known
+from the ranks' ``SaveProgress``: every rank settles each step that saved a request, so
+a request whose steps are all settled on every rank is freed at once.
+
 Prefill/decode disaggregation (``kv_producer`` / ``kv_consumer``), with a proxy passing
 vLLM's ``kv_transfer_params``: on the prefill instance a request marked
 ``do_remote_decode`` hands its full prompt blocks to the decode daemon
@@ -41,6 +48,7 @@ from kvstore.connectors.vllm_compat import (
     connector_logger,
     first_group_block_ids,
     log_failure,
+    preempted_requests,
     prompt_token_ids,
     scheduled_requests,
     transfer_params,
@@ -53,6 +61,7 @@ from kvstore.connectors.vllm_meta import (
     HandoffSpec,
     KVStoreConnectorMetadata,
     LoadSpec,
+    SaveProgress,
     SaveSpec,
     namespace_for,
 )
@@ -91,6 +100,7 @@ class _Request:
     hold_id: int = 0  # the daemon's hold on the blocks its last lookup counted (0: none)
     load_hold: int = 0  # that hold once its load is planned inside a step (released after the load window)
     loads_async: bool = False  # its hit reads a slow tier: loaded beside the steps
+    unsettled_saves: int = 0  # its steps' saves times the ranks, less those the ranks settled (defer_saves)
 
 
 class SchedulerSide:
@@ -112,6 +122,9 @@ class SchedulerSide:
         self._loading_holds: list[int] = []  # holds of the loads of the step being planned
         self._holds_in_flight: deque[list[int]] = deque()  # per step of the load window, its loads' holds
         self._holds_to_release: list[int] = []
+        self._num_ranks = geometry.tp_size  # every rank settles every save, an MLA rank that only reads too
+        self._delayed_frees: list[str] = []  # finished since the last metadata, blocks kept for their saves
+        self._frees_pending: set[str] = set()  # blocks kept until the ranks report them in finished_sending
         self.counters = SchedulerCounters()
 
     # -- admission -------------------------------------------------------------------------
@@ -178,8 +191,11 @@ class SchedulerSide:
 
     # -- per step --------------------------------------------------------------------------
     def build_metadata(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
-        metadata = KVStoreConnectorMetadata(loads=self._loads)
-        self._loads = []
+        metadata = KVStoreConnectorMetadata(loads=self._loads, delayed_frees=self._delayed_frees)
+        self._loads, self._delayed_frees = [], []
+        metadata.preempted_saving = any(
+            self._requests[req_id].unsettled_saves for req_id in preempted_requests(scheduler_output) if req_id in self._requests
+        )
         self._recent_loads.append(frozenset(block for spec in metadata.loads if spec.in_step for block in spec.block_ids))
         # the loads planned LOAD_WINDOW_STEPS steps ago have run: vLLM has their step's output
         self._holds_in_flight.append(self._loading_holds)
@@ -199,14 +215,22 @@ class SchedulerSide:
             if save is not None:
                 metadata.saves.append(save)
                 self.counters.saved_blocks_planned += len(save.hashes)
+                if self._settings.defer_saves:
+                    state.unsettled_saves += self._num_ranks
         self._flush_releases()
         return metadata
 
-    def finished(self, request: Any) -> dict | None:
-        """The kv_transfer_params a decode instance needs (PD producer), else None."""
+    def finished(self, request: Any) -> tuple[bool, dict | None]:
+        """Whether vLLM keeps the request's blocks until the ranks report it (a save of it
+        may still copy out of them), and the kv_transfer_params a decode instance needs
+        (PD producer), else None."""
         state = self._requests.pop(request.request_id, None)
         if state is None:
-            return None
+            return False, None
+        delayed = state.unsettled_saves > 0
+        if delayed:
+            self._delayed_frees.append(request.request_id)
+            self._frees_pending.add(request.request_id)
         # looked up and never loaded, or loaded in a step whose output vLLM has: an engine
         # that goes idle after this request leaves nothing held
         self._drop_hold(state)
@@ -217,13 +241,29 @@ class SchedulerSide:
                     self._release(state.load_hold)
         self._flush_releases()
         if state.handoff is None:
-            return None
-        return {
+            return delayed, None
+        return delayed, {
             "do_remote_prefill": True,
             TRANSFER_ID: state.handoff.transfer_id,
             DESTINATION: state.handoff.destination,
             "kvstore_num_blocks": len(state.handoff.hashes),
         }
+
+    def workers_reported(self, progress: Any, finished_sending: set[str] | None) -> None:
+        """A step's output: the saves the ranks settled (``SaveProgress``, summed over the
+        ranks), and the finished requests whose blocks vLLM frees now."""
+        if isinstance(progress, SaveProgress):
+            for req_id, count in progress.settled.items():
+                state = self._requests.get(req_id)
+                if state is not None:  # else finished already: its blocks wait for finished_sending
+                    state.unsettled_saves -= count
+                    assert state.unsettled_saves >= 0, (req_id, state.unsettled_saves)
+        self._frees_pending.difference_update(finished_sending or ())
+
+    def frees_pending(self) -> bool:
+        """Whether blocks kept for saves come back soon: vLLM waits for them rather than
+        preempting a request."""
+        return bool(self._frees_pending)
 
     def close(self) -> None:
         self._client.close()  # the daemon ends this connection's holds with it

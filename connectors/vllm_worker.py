@@ -11,7 +11,11 @@ as load errors and vLLM recomputes them.
 
 Saving: at a step's first ``save_layer`` the blocks that step fills are reserved (one
 round trip); each layer is copied into the reserved slots on the copy thread as soon as
-the forward pass has written it; ``finish_step`` commits once every layer is in.
+the forward pass has written it. ``finish_step`` decides whether the step's saves are
+trusted (below) and, with ``defer_saves`` (the default), leaves the rest to the commit
+thread (``vllm_saves``): it waits for the layer copies and commits, while the engine goes
+on with its next step; a finished request's blocks stay with vLLM until its saves are
+over (``finished_sending``). Without ``defer_saves``, ``finish_step`` waits and commits.
 
 No save is computed on a block that did not load. Under tensor parallelism a block that
 fails on one rank poisons every rank's KV computed after it (the layers' outputs are
@@ -28,13 +32,16 @@ thread and its handoffs are cancelled in a step whose loads failed; the receiver
 on its own thread and reports through ``finished_receiving``.
 
 Owner: vLLM's worker thread calls every method; the copy thread only runs the copies
-queued here and touches nothing else.
+queued here and touches nothing else; the commit thread only runs the commits queued
+here, and is the only writer of ``saved_blocks`` and ``aborted_saves`` while it runs.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -62,7 +69,15 @@ from kvstore.connectors.vllm_layout import (
     runs_on,
     wait_all,
 )
-from kvstore.connectors.vllm_meta import LOAD_WINDOW_STEPS, ConnectorSettings, KVStoreConnectorMetadata, SaveSpec, namespace_for
+from kvstore.connectors.vllm_meta import (
+    LOAD_WINDOW_STEPS,
+    ConnectorSettings,
+    KVStoreConnectorMetadata,
+    SaveProgress,
+    SaveSpec,
+    namespace_for,
+)
+from kvstore.connectors.vllm_saves import DeferredSaves
 from kvstore.errors import InvalidArgument, KVStoreError
 
 __all__ = ["WorkerSide", "WorkerCounters"]
@@ -76,6 +91,7 @@ class WorkerCounters:
     failed_blocks: int = 0  # promised by the scheduler, not loadable: recomputed
     saved_blocks: int = 0
     aborted_saves: int = 0
+    save_wait_s: float = 0.0  # how long the steps waited for their saves (copies and commits)
     handoff_blocks_sent: int = 0
     handoff_blocks_received: int = 0
     handoff_failures: int = 0
@@ -98,6 +114,7 @@ class WorkerSide:
         self._sender: HandoffSender | None = None  # PD producer
         self._receiver: HandoffReceiver | None = None  # loads beside the steps: PD consumer, slow tiers
         self._loaded_beside_steps = 0  # of the receiver's blocks_loaded, those counted already
+        self._deferred = DeferredSaves() if settings.defer_saves else None
         # this step's state, cleared by finish_step
         self._leases: list[Lease] = []
         self._layer_loads: list[CopyJob] = []
@@ -232,8 +249,9 @@ class WorkerSide:
 
     def finish_step(self, metadata: KVStoreConnectorMetadata) -> None:
         """End of the forward pass: loads are done, so release their leases; agree with
-        the other ranks on what failed to load; commit each save of the step if every
-        layer was copied and it attends to no block that failed to load."""
+        the other ranks on what failed to load; decide which saves of the step are trusted
+        (every layer copied, no block it attends to failed to load) and commit those — now,
+        or on the commit thread with ``defer_saves``."""
         # every queued copy is waited for, even after one failed: a copy still running reads
         # slots whose leases are released below
         error = wait_all(self._layer_loads)
@@ -241,10 +259,6 @@ class WorkerSide:
             logger.warning("kvstore: a layer copy from the slab failed (%s); vLLM recomputes the step's loads", error)
             self._first_failed = {index: 0 for index, spec in enumerate(metadata.loads) if spec.in_step}
         self._agree_on_failed_loads(metadata)
-        error = wait_all(self._layer_saves)
-        if error is not None:
-            logger.error("kvstore: a layer copy into the slab failed, not saving this step: %s", error)
-        saves_copied = error is None
         for lease in self._leases:
             self._release(lease)
         if self._sender is not None:  # registered: steps before that (profiling) move nothing
@@ -254,13 +268,52 @@ class WorkerSide:
             self._sender.finish_step(abandon=untrusted)
             self.counters.handoff_blocks_sent = self._sender.blocks_sent
             self.counters.handoff_failures = self._sender.failures + self._receiver.failures
-        complete = saves_copied and len(self._saved_layers) == len(self._caches)
-        for spec, pending in self._saves or ():
-            self._finish_save(spec, pending, complete and not any(block in self._failed_recently for block in spec.reads))
+        # decided now, on every rank alike: the failed loads are agreed
+        all_layers = len(self._saved_layers) == len(self._caches)
+        saves = [
+            (spec, pending, all_layers and not any(block in self._failed_recently for block in spec.reads))
+            for spec, pending in self._saves or ()
+        ]
+        began = time.perf_counter()
+        if self._deferred is None:
+            self._commit(self._layer_saves, saves)
+        elif metadata.saves:
+            commit = partial(self._commit, self._layer_saves, saves) if saves else None
+            self._deferred.submit((spec.req_id for spec in metadata.saves), self._layer_saves, commit)
+        self.counters.save_wait_s += time.perf_counter() - began
         self._leases, self._layer_loads = [], []
         self._saves, self._save_runs, self._layer_saves, self._saved_layers = None, [], [], set()
         self._first_failed, self._failed_this_step = {}, set()
         self._step += 1
+
+    def _commit(self, copies: list[CopyJob], saves: list[tuple[SaveSpec, PendingSave, bool]]) -> None:
+        """Once the step's layer copies are done, commit each save that is trusted and abort
+        the others (a reservation is given back only when no copy writes into it any more)."""
+        error = wait_all(copies)
+        if error is not None:
+            logger.error("kvstore: a layer copy into the slab failed, not saving this step: %s", error)
+        for spec, pending, trusted in saves:
+            self._finish_save(spec, pending, trusted and error is None)
+
+    # -- deferred saves: vLLM keeps a finished request's blocks until they are over ------------
+    def flush_saves(self, metadata: KVStoreConnectorMetadata) -> None:
+        """Before a step runs: a preempted request's blocks may be another's in it."""
+        if self._deferred is not None and metadata.preempted_saving:
+            self._deferred.flush_copies()
+
+    def finished_sending(self, metadata: KVStoreConnectorMetadata | None) -> set[str]:
+        if self._deferred is None:
+            return set()
+        return self._deferred.finished_sending(metadata.delayed_frees if metadata is not None else ())
+
+    def save_progress(self) -> SaveProgress | None:
+        settled = self._deferred.settled() if self._deferred is not None else {}
+        return SaveProgress(settled) if settled else None
+
+    def wait_for_saves(self) -> None:
+        """Return once every save queued so far has ended (its counters are final)."""
+        if self._deferred is not None:
+            self._deferred.wait()
 
     def _agree_on_failed_loads(self, metadata: KVStoreConnectorMetadata) -> None:
         """Every rank's first failed block of every load, the lowest of them all: the
@@ -289,6 +342,8 @@ class WorkerSide:
 
     def close(self) -> None:
         self._copies.shutdown()
+        if self._deferred is not None:
+            self._deferred.close()  # its commits use the client
         if self._receiver is not None:
             self._receiver.close()
         if self._client is not None:

@@ -16,12 +16,16 @@ must get those prefixes from kvstore alone:
    instance decodes with it the tokens a single instance decodes. A handoff that never
    comes is recomputed;
 4. a daemon restarted (and killed) under vLLM's OpenAI API server that keeps receiving
-   requests fails none of them; hits resume once it is back, from NVMe.
+   requests fails none of them; hits resume once it is back, from NVMe;
+5. saves end after their step (``defer_saves``): a finished request keeps its blocks
+   until its commit lands, a daemon killed mid-save frees them all the same and stores
+   nothing, and a later engine loads what the commit stored.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import socket
@@ -37,7 +41,7 @@ from daemon_harness import Daemon, daemons
 from test_manager_nvme import flip_a_byte_of
 from vllm_venv import require_vllm_venv
 
-from bench.vllm_engine import VLLM_PYTHON, ApiServer, build_model, engine_process
+from bench.vllm_engine import ENGINE_ENV, VLLM_PYTHON, ApiServer, build_model, engine_process
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.client import KVStoreClient
@@ -54,6 +58,7 @@ PROMPT_TOKENS = 1000  # 31 full blocks; a full hit leaves the last partial block
 FULL_HIT = (PROMPT_TOKENS - 1) // BLOCK * BLOCK  # 992
 MAX_TOKENS = 16
 REFERENCE = Path(__file__).with_name("vllm_kv_reference.py")
+DEFERRED_SAVES = Path(__file__).with_name("vllm_deferred_saves.py")
 
 
 def random_prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
@@ -110,14 +115,22 @@ class Store:
         assert "Traceback" not in log, log[-6000:]  # nothing failed quietly, shutdown included
         return report
 
-    def reference_errors(self, prompt: list[int], num_blocks: int, dtype: str = "bfloat16") -> dict:
+    def reference_errors(self, prompt: list[int], num_blocks: int, dtype: str = "bfloat16", daemon: Daemon | None = None) -> dict:
         """How far the prompt's first ``num_blocks`` stored blocks (of KV elements
         ``dtype``) are from the K and V a transformers forward pass computes
         (tests/vllm_kv_reference.py)."""
         prompt_file = self.workdir / "reference-prompt.json"
         prompt_file.write_text(json.dumps(prompt))
         result = subprocess.run(
-            [str(VLLM_PYTHON), str(REFERENCE), str(self.daemon.socket), str(self.model), str(prompt_file), str(num_blocks), dtype],
+            [
+                str(VLLM_PYTHON),
+                str(REFERENCE),
+                str((daemon or self.daemon).socket),
+                str(self.model),
+                str(prompt_file),
+                str(num_blocks),
+                dtype,
+            ],
             capture_output=True,
             text=True,
             timeout=300,
@@ -310,6 +323,49 @@ def test_a_prefill_instance_hands_the_kv_to_a_decode_instance_layer_by_layer(sto
         with KVStoreClient(daemon.socket) as client:
             digest = client.register_namespace(store.namespace())
             assert client.lookup(digest, chain_hashes(U, BLOCK)).num_blocks == PROMPT_TOKENS // BLOCK
+
+
+def test_a_finished_request_keeps_its_blocks_until_its_save_is_over_and_a_later_engine_loads_it(store):
+    """tests/vllm_deferred_saves.py holds the engine's commits at a gate: a daemon killed
+    mid-save frees the request's blocks all the same and stores nothing of it; a request
+    whose commit waits keeps its blocks until it lands. A later engine then loads what
+    that commit stored and decodes what the first engine computed."""
+    daemon = store.start_daemon()
+    gone, held, after = random_prompt(41), random_prompt(42), random_prompt(43, 200)
+    plan_path = store.workdir / "deferred-saves.json"
+    plan = {"model": str(store.model), "block_size": BLOCK, "max_model_len": 4096, "connector": store.connector(daemon)}
+    plan_path.write_text(json.dumps({**plan, "prompts": [gone, held, after]}))
+    log = store.workdir / "deferred-saves.log"
+    with open(log, "w") as errors:
+        script = subprocess.Popen(
+            [str(VLLM_PYTHON), str(DEFERRED_SAVES), str(plan_path), str(daemon.process.pid)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+            env={**os.environ, **ENGINE_ENV},
+        )
+        lines = []
+        for line in script.stdout:
+            if not line.startswith("{"):  # vLLM's own output
+                continue
+            lines.append(json.loads(line))
+            if lines[-1].get("phase") == "daemon killed":
+                daemon.stop()  # killed by the script, mid-save
+                daemon.start()
+                script.stdin.write("\n")
+                script.stdin.flush()
+        script.wait(timeout=60)
+    cases = [line for line in lines if "case" in line]
+    assert script.returncode == 0 and len(cases) == 11, lines[-12:]
+    assert all(case["ok"] for case in cases), cases
+    assert "Traceback" not in log.read_text(), log.read_text()[-6000:]
+    tokens = lines[-1]["tokens"]
+    later = store.serve("instance-after-deferred", [held], store.connector(daemon), max_tokens=len(tokens))["results"][0]
+    assert later["num_cached_tokens"] == FULL_HIT and later["tokens"] == tokens
+    errors = store.reference_errors(held, PROMPT_TOKENS // BLOCK, daemon=daemon)
+    assert errors["k_err"] < 0.05 * errors["scale"] and errors["v_err"] < 0.05 * errors["scale"]
 
 
 def _api_server(store, daemon, name: str) -> ApiServer:

@@ -59,6 +59,7 @@ SETTINGS = {
     "async_load_tiers of lists": {"async_load_tiers": [["nvme"]]},
     "lookup_hold_s too long": {"lookup_hold_s": 601},
     "lookup_hold_s a flag": {"lookup_hold_s": True},
+    "defer_saves not a flag": {"defer_saves": "false"},
 }
 
 

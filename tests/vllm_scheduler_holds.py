@@ -56,7 +56,9 @@ def blocks_of(ids: list[int]) -> SimpleNamespace:
     return SimpleNamespace(get_block_ids=lambda: (ids,))
 
 
-EMPTY_STEP = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
+EMPTY_STEP = SimpleNamespace(
+    num_scheduled_tokens={}, scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]), preempted_req_ids=None
+)
 
 writer = KVStoreClient(socket_path)
 digests = [writer.register_namespace(namespace_for(GEOMETRY, rank, "")) for rank in range(GEOMETRY.tp_size)]
@@ -164,6 +166,7 @@ scheduled = SimpleNamespace(
     num_scheduled_tokens={"r5": 5},
     scheduled_new_reqs=[SimpleNamespace(req_id="r5", num_computed_tokens=tokens, block_ids=(block_ids,))],
     scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+    preempted_req_ids=None,
 )
 scheduler.build_metadata(scheduled)
 check("released once scheduled", holds_now() == 0)

@@ -1,0 +1,89 @@
+"""The vLLM worker's deferred saves (connectors/vllm_saves.py), with real copy jobs on a
+copy thread and commits that the test holds: no vLLM needed."""
+
+from __future__ import annotations
+
+import threading
+
+from kvstore.connectors.vllm_layout import CopyThread
+from kvstore.connectors.vllm_saves import DeferredSaves
+
+
+def held_copy(copies: CopyThread, release: threading.Event, log: list[str], name: str):
+    def copy() -> None:
+        assert release.wait(10)
+        log.append(name)
+
+    return copies.submit(copy)
+
+
+def test_a_step_commits_only_after_its_copies_and_its_requests_finish_only_after_the_commit():
+    copies, saves, log = CopyThread("test-copy"), DeferredSaves(), []
+    copied, committing, committed = threading.Event(), threading.Event(), threading.Event()
+    try:
+        job = held_copy(copies, copied, log, "copy")
+
+        def commit() -> None:
+            log.append("commit")
+            committing.set()
+            assert committed.wait(10)
+
+        saves.submit(["a", "b"], [job], commit)
+        assert saves.finished_sending(["a"]) == set()  # its copy still runs
+        copied.set()
+        assert committing.wait(10) and log == ["copy", "commit"]
+        saves.flush_copies()  # the copies are done: a preempted request's blocks may be reused
+        assert saves.finished_sending([]) == set() and saves.settled() == {}  # the commit still runs
+        committed.set()
+        saves.wait()
+        assert saves.settled() == {"a": 1, "b": 1}  # one step each, counted once
+        assert saves.settled() == {}
+        assert saves.finished_sending([]) == {"a"}  # delayed earlier, reported once
+        assert saves.finished_sending(["b"]) == {"b"}
+        assert saves.finished_sending([]) == set()
+    finally:
+        copied.set()
+        committed.set()
+        saves.close()
+        copies.shutdown()
+
+
+def test_a_request_is_finished_once_every_step_that_saved_it_is_over():
+    saves, gates = DeferredSaves(), [threading.Event(), threading.Event()]
+    try:
+        for gate in gates:  # two chunks of one prompt, one step each
+            saves.submit(["a"], [], lambda gate=gate: gate.wait(10))
+        gates[1].set()
+        assert saves.finished_sending(["a"]) == set()
+        gates[0].set()
+        saves.wait()
+        assert saves.finished_sending([]) == {"a"}
+    finally:
+        for gate in gates:
+            gate.set()
+        saves.close()
+
+
+def test_a_rank_with_nothing_to_commit_settles_the_step_at_once():
+    saves = DeferredSaves()
+    try:
+        saves.submit(["a"], [], None)  # an MLA rank that only reads, a reservation the daemon refused
+        assert saves.settled() == {"a": 1}
+        assert saves.finished_sending(["a", "never-saved"]) == {"a", "never-saved"}
+    finally:
+        saves.close()
+
+
+def test_a_commit_that_raises_is_logged_and_its_requests_finish(caplog):
+    saves = DeferredSaves()
+    try:
+
+        def commit() -> None:
+            raise RuntimeError("the slab went away")
+
+        saves.submit(["a"], [], commit)
+        saves.wait()
+        assert saves.finished_sending(["a"]) == {"a"}
+        assert "committing a step's saves failed" in caplog.text
+    finally:
+        saves.close()

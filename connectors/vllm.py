@@ -79,7 +79,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 transfer.kv_load_failure_policy,
             )
         check_supported(vllm_config, kv_cache_config)
-        settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        settings = self._settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         geometry = engine_geometry(vllm_config, settings.model_id or None)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -87,6 +87,16 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(settings, geometry, transfer.kv_role)
         else:
             self._worker = WorkerSide(settings, geometry, vllm_config)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The layout ``kv_cache_layout`` names, or None for the backend's own. vLLM uses it
+        where every attention backend of the model supports it, and otherwise warns and
+        keeps the backend's first choice (the CPU backend supports only ``LBHNC``); the
+        worker logs which one the engine runs (``register_kv_caches``)."""
+        transfer = vllm_config.kv_transfer_config
+        extra = transfer.kv_connector_extra_config if transfer is not None else {}
+        return ConnectorSettings.from_extra_config(extra or {}).kv_cache_layout or None
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -126,6 +136,17 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._worker.flush_saves(kv_connector_metadata)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        asked = self._settings.kv_cache_layout
+        running = self._vllm_config.cache_config.kv_cache_layout
+        if asked and running != asked:
+            logger.warning(
+                "kvstore: kv_cache_layout asked vLLM for %s; the attention backend does not support it and runs %s, "
+                "which the connector copies as well",
+                asked,
+                running,
+            )
+        else:
+            logger.info("kvstore: the engine's KV cache layout is %s", running)
         self._worker.register(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

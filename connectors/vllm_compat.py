@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvstore.errors import DaemonUnavailable, InvalidArgument
 from kvstore.tier_kind import TierKind
@@ -42,6 +43,7 @@ __all__ = [
     "KVConnectorWorkerMetadata",
     "EngineGeometry",
     "STORE_INNER_ORDER",
+    "KV_CACHE_LAYOUTS",
     "engine_geometry",
     "worker_tp_rank",
     "layer_index",
@@ -57,6 +59,9 @@ __all__ = [
 ]
 
 STORE_INNER_ORDER = "HND"
+# the layouts a connector may ask vLLM for (get_required_kvcache_layout); vLLM takes one the
+# attention backend supports and warns and keeps the backend's own otherwise
+KV_CACHE_LAYOUTS = tuple(layout.name for layout in KVCacheLayout)
 
 
 def connector_logger(module: str) -> logging.Logger:

@@ -18,7 +18,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.connectors.vllm_compat import STORE_INNER_ORDER, EngineGeometry, KVConnectorMetadata, KVConnectorWorkerMetadata
+from kvstore.connectors.vllm_compat import (
+    KV_CACHE_LAYOUTS,
+    STORE_INNER_ORDER,
+    EngineGeometry,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import BlockHash
 from kvstore.layout import KVLayout
@@ -70,6 +76,11 @@ class ConnectorSettings:
     # saves, so the blocks are in the store when its output is — for a caller that sends
     # the next request the moment the first one's output arrives and must find it stored
     defer_saves: bool = True
+    # a KVCacheLayout name to ask vLLM for (get_required_kvcache_layout), e.g. "BLHNC":
+    # block-outermost, every layer of a block in one run, as kvstore stores a block; ""
+    # keeps the attention backend's own choice. The connector copies any layout; which
+    # is faster on a GPU is what bench.gpu_copies measures (its LBNHC and BLHNC rows)
+    kv_cache_layout: str = ""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
@@ -83,6 +94,7 @@ class ConnectorSettings:
             "lookup_hold_s",
             "async_load_tiers",
             "defer_saves",
+            "kv_cache_layout",
         }
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -104,6 +116,12 @@ class ConnectorSettings:
                 raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be a string.")
         if not isinstance(extra.get("defer_saves", True), bool):
             raise InvalidArgument(f"kv_connector_extra_config['defer_saves'] must be true or false, got {extra['defer_saves']!r}.")
+        layout = extra.get("kv_cache_layout", "")
+        if layout != "" and layout not in KV_CACHE_LAYOUTS:
+            raise InvalidArgument(
+                f"kv_connector_extra_config['kv_cache_layout'] is one of vLLM's KV cache layouts ({', '.join(KV_CACHE_LAYOUTS)}) "
+                f"or empty for the attention backend's own, got {layout!r}."
+            )
         tiers = extra.get("async_load_tiers", _DEFAULT_ASYNC_LOAD_TIERS)
         loadable = {TierKind.HOST.value, TierKind.NVME.value}
         if not isinstance(tiers, (list, tuple)) or not all(isinstance(tier, str) and tier in loadable for tier in tiers):
@@ -120,6 +138,7 @@ class ConnectorSettings:
             lookup_hold_s=float(timeouts["lookup_hold_s"]),
             async_load_tiers=tuple(TierKind(tier) for tier in dict.fromkeys(tiers)),
             defer_saves=extra.get("defer_saves", True),
+            kv_cache_layout=layout,
         )
 
 

@@ -58,7 +58,11 @@ def test_configurations_the_connector_cannot_serve_are_refused_with_a_sentence()
         "lookup_hold_s too long": "lookup_hold_s must be a positive number of seconds, at most 600",
         "lookup_hold_s a flag": "lookup_hold_s must be a positive number of seconds",
         "defer_saves not a flag": "defer_saves'] must be true or false",
+        "kv_cache_layout unknown": "kv_cache_layout'] is one of vLLM's KV cache layouts (LBHNC, LBNHC",
+        "kv_cache_layout not a name": "kv_cache_layout'] is one of vLLM's KV cache layouts",
     }
     for name, words in said.items():
         sentence = cases[name]["refused"]
         assert sentence and words in sentence and sentence.endswith("."), (name, sentence)
+    # kv_cache_layout is what the connector asks vLLM for; unset, it asks nothing
+    assert (cases["layout BLHNC"]["asked"], cases["layout default"]["asked"]) == ("BLHNC", None)

@@ -16,6 +16,7 @@ import json
 import sys
 from types import SimpleNamespace
 
+from kvstore.connectors.vllm import KVStoreConnector
 from kvstore.connectors.vllm_compat import check_supported, engine_geometry
 from kvstore.connectors.vllm_meta import ConnectorSettings
 from kvstore.errors import InvalidArgument
@@ -60,6 +61,8 @@ SETTINGS = {
     "lookup_hold_s too long": {"lookup_hold_s": 601},
     "lookup_hold_s a flag": {"lookup_hold_s": True},
     "defer_saves not a flag": {"defer_saves": "false"},
+    "kv_cache_layout unknown": {"kv_cache_layout": "NHD"},
+    "kv_cache_layout not a name": {"kv_cache_layout": 3},
 }
 
 
@@ -78,6 +81,11 @@ def main() -> None:
             print(json.dumps({"case": name, "refused": None}))
         except InvalidArgument as exc:
             print(json.dumps({"case": name, "refused": str(exc)}))
+    # what the connector asks vLLM for: the layout named, else nothing (the backend's own)
+    for layout in ("BLHNC", ""):
+        transfer = SimpleNamespace(kv_connector_extra_config={"kv_cache_layout": layout} if layout else {})
+        asked = KVStoreConnector.get_required_kvcache_layout(SimpleNamespace(kv_transfer_config=transfer))
+        print(json.dumps({"case": f"layout {layout or 'default'}", "asked": asked}))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Engine ↔ daemon: control round trip and data path through a real `kvstore serve`.
 
-    python -m bench.daemon [--quick] [--json]
+    python -m bench.daemon [--quick] [--json] [--remote-fetch-only]
 
 - lookup round trip of 512 block keys over the local protocol, p50/p99 (target: p50 ≤
   100 µs), next to the same lookup holding the blocks it finds, as the vLLM scheduler's
@@ -25,7 +25,8 @@
   a second daemon holds (over TCP, and UCX where ucxx is installed): the peer streams them
   into the first daemon's host tier, which then copies them out to the engine, all in the
   timed call. Against the same bytes as one raw socket ``sendall`` between two processes
-  (target ≥ 0.8), and against a load of the same blocks once local.
+  (target ≥ 0.8), and against a load of the same blocks once local. ``--remote-fetch-only``
+  runs this part alone (the same baseline, the same sizes).
 Every ratio is printed with the two figures it divides.
 """
 
@@ -276,12 +277,55 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
     return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
 
+def _only_flag(parser) -> None:
+    parser.add_argument("--remote-fetch-only", action="store_true", help="run only the remote fetch against the raw socket")
+
+
+def remote_fetches(report: Report, quick: bool) -> None:
+    """The remote fetch over every transport installed, against one raw socket."""
+    fetch_total = (64 if quick else 256) * MiB
+    raw_gbps = gbps(fetch_total, raw_socket_seconds(fetch_total, 7))
+    kinds = ["tcp"]
+    try:
+        import_ucxx(TransportConfig(kind="ucx"))
+        kinds.append("ucx")
+    except TransportUnavailable as exc:
+        print(f"UCX remote fetch skipped: {exc}")
+    fetches = [remote_fetch(kind, fetch_total, 3) for kind in kinds]
+    rows = []
+    for fetch in fetches:
+        fetch.update(total_bytes=fetch_total, raw_socket_gbps=raw_gbps)
+        report.results.append(fetch)
+        rows.append(
+            [
+                fetch["transport"],
+                raw_gbps,
+                fetch["fetch_gbps"],
+                fetch["local_load_gbps"],
+                fetch["fetch_gbps"] / raw_gbps,
+                fetch["fetch_gbps"] / fetch["local_load_gbps"],
+            ]
+        )
+        report.compare(f"remote_fetch_{fetch['transport']}_vs_raw_socket", fetch["fetch_gbps"], raw_gbps, "GB/s", ">= 0.8")
+    report.print_table(
+        f"remote fetch, {fetch_total // MiB} MiB of 1 MiB blocks held by another daemon "
+        "(GB/s; the engine's load: fetch into this daemon, then copy out)",
+        ["transport", "raw socket", "remote load", "local load", "remote/raw", "remote/local"],
+        rows,
+    )
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--look-up"]:
         look_up(sys.argv[2])
         return
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], _only_flag)
     torch.set_num_threads(1)
+    if args.remote_fetch_only:
+        report = Report("daemon")
+        remote_fetches(report, args.quick)
+        report.emit(args.json)
+        return
     total = (128 if args.quick else 512) * MiB
     num_blocks = total // LAYOUT.block_bytes
     lookups = 1_000 if args.quick else 5_000
@@ -407,36 +451,7 @@ def main() -> None:
     report.ratio("lookup_512_p50_us", result["local_lookup_p50_us"], "<= 100")
     report.ratio("lookup_512_p99_us", result["local_lookup_p99_us"])
     report.ratio("grpc_lookup_512_p50_us", result["grpc_lookup_p50_us"])
-    fetch_total = (64 if args.quick else 256) * MiB
-    raw_gbps = gbps(fetch_total, raw_socket_seconds(fetch_total, 7))
-    kinds = ["tcp"]
-    try:
-        import_ucxx(TransportConfig(kind="ucx"))
-        kinds.append("ucx")
-    except TransportUnavailable as exc:
-        print(f"UCX remote fetch skipped: {exc}")
-    fetches = [remote_fetch(kind, fetch_total, 3) for kind in kinds]
-    rows = []
-    for fetch in fetches:
-        fetch.update(total_bytes=fetch_total, raw_socket_gbps=raw_gbps)
-        report.results.append(fetch)
-        rows.append(
-            [
-                fetch["transport"],
-                raw_gbps,
-                fetch["fetch_gbps"],
-                fetch["local_load_gbps"],
-                fetch["fetch_gbps"] / raw_gbps,
-                fetch["fetch_gbps"] / fetch["local_load_gbps"],
-            ]
-        )
-        report.compare(f"remote_fetch_{fetch['transport']}_vs_raw_socket", fetch["fetch_gbps"], raw_gbps, "GB/s", ">= 0.8")
-    report.print_table(
-        f"remote fetch, {fetch_total // MiB} MiB of 1 MiB blocks held by another daemon "
-        "(GB/s; the engine's load: fetch into this daemon, then copy out)",
-        ["transport", "raw socket", "remote load", "local load", "remote/raw", "remote/local"],
-        rows,
-    )
+    remote_fetches(report, args.quick)
     lag = loop_lag(25_000 if args.quick else 100_000)
     report.results.append({"loop_lag": lag})
     report.print_table(

@@ -1,0 +1,126 @@
+"""The router on one host without Redis (router.index = "daemons"): its index asks real
+daemons, each with its embedded index, over their gRPC API (index/daemons.py). A real ZMQ
+publisher speaking vLLM's wire format stands in for an engine's KV events."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+
+import zmq.asyncio
+from daemon_harness import daemons
+from vllm_kv_events import VllmPublisher, batch, stored
+
+from kvstore.api.client import connect
+from kvstore.api.v1 import kvstore_pb2 as pb
+from kvstore.config import RoutingConfig
+from kvstore.hashing import chain_hashes
+from kvstore.index.daemons import DaemonAddress, DaemonsIndex
+from kvstore.index.scoring import Candidate
+from kvstore.index.sessions import EmbeddedSessionStore
+from kvstore.layout import KVLayout
+from kvstore.namespace import Namespace
+from kvstore.router import Router
+from kvstore.tier_kind import TierKind
+
+BLOCK = 16
+LAYOUT = KVLayout(2, 2, 64, BLOCK, "bfloat16", 2, "HND")
+NS = Namespace("/models/tiny", LAYOUT)
+NAMESPACE_TOML = """
+[engines.namespace]
+model_id = "/models/tiny"
+num_layers = 2
+num_kv_heads = 2
+head_dim = 64
+dtype = "bfloat16"
+block_size = 16
+"""
+PROMPT = list(range(500, 500 + 6 * BLOCK))
+KEYS = chain_hashes(PROMPT, BLOCK)
+GPU, HOST = TierKind.GPU, TierKind.HOST
+
+
+def register(client) -> bytes:
+    layout = pb.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=BLOCK, dtype="bfloat16", kv_planes=2, inner_order="HND")
+    registered = client.store.RegisterNamespace(pb.RegisterNamespaceRequest(model_id="/models/tiny", layout=layout, tp_size=1))
+    assert registered.namespace_id == NS.digest
+    return registered.namespace_id
+
+
+def unused_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_the_router_asks_each_daemon_for_its_prefix_and_a_silent_daemon_holds_nothing(tmp_path):
+    async def main():
+        context = zmq.asyncio.Context()
+        publisher = VllmPublisher(context, topic="")
+        config = tmp_path / "engines.toml"
+        config.write_text(f'[[engines]]\nname = "vllm"\nendpoint = "{publisher.endpoint}"\n{NAMESPACE_TOML}')
+        try:
+            with daemons(tmp_path) as start:
+                a = start(node_id="gpu-a", token="tok-a", config=config)
+                b = start(node_id="gpu-b")
+                with connect(a.address, token="tok-a") as client:
+                    ns = register(client)
+                    payloads = [os.urandom(NS.block_bytes) for _ in KEYS[:4]]
+                    assert client.store.Put(pb.PutRequest(namespace_id=ns, block_hashes=KEYS[:4], payloads=payloads)).num_stored == 4
+
+                    def counters() -> dict:
+                        return dict(client.admin.Stats(pb.StatsRequest()).counters)
+
+                    await publisher.handshake(lambda: counters().get("engine_vllm_messages", 0) > 0, timeout_s=20)
+                    await publisher.send(batch([stored([11, 12], None, PROMPT[: 2 * BLOCK], BLOCK)]))
+                with connect(b.address) as client:
+                    register(client)  # b knows the namespace and holds none of the chain
+
+                listed = [DaemonAddress("gpu-a", a.address, "tok-a"), DaemonAddress("gpu-b", b.address)]
+                index = DaemonsIndex(lambda: listed, timeout_s=1.0)
+                try:
+
+                    async def matched() -> dict:
+                        return {m.node_id: m.tiers for m in await index.match(ns, KEYS)}
+
+                    deadline = time.monotonic() + 10
+                    while len(await matched()) < 2 and time.monotonic() < deadline:  # the daemon indexes asynchronously
+                        await asyncio.sleep(0.1)
+                    assert await matched() == {"gpu-a": (HOST,) * 4, "vllm@gpu-a": (GPU,) * 2}
+                    assert await index.match(ns, KEYS, ["gpu-b"]) == []
+                    kinds = {n.node_id: n.kind for n in await index.nodes()}
+                    assert kinds == {"gpu-a": "kvstore", "vllm@gpu-a": "engine", "gpu-b": "kvstore"}
+
+                    # the router's code is unchanged: the engine's GPU blocks lead gpu-a's match
+                    router = Router(None, index, EmbeddedSessionStore(), RoutingConfig(remote_fetch=False))
+                    candidates = [Candidate("gpu-a", queued_tokens=0), Candidate("gpu-b", queued_tokens=0)]
+                    decision = await router.route_chain(ns, KEYS, len(PROMPT), BLOCK, NS.block_bytes, "s1", candidates)
+                    assert (decision.node_id, decision.expected_cached_tokens) == ("gpu-a", 4 * BLOCK)
+                    assert (await router.sessions.get("s1")).node_id == "gpu-a"
+
+                    # a wrong token, a daemon that hangs and an address nobody listens on: misses, within the deadline
+                    listed[0] = DaemonAddress("gpu-a", a.address, "wrong")
+                    listed.append(DaemonAddress("gpu-c", f"127.0.0.1:{unused_port()}"))
+                    b.process.send_signal(signal.SIGSTOP)
+                    try:
+                        started = time.monotonic()
+                        assert await index.match(ns, KEYS) == []
+                        assert await index.nodes() == []
+                        elapsed = time.monotonic() - started
+                        assert elapsed < 2 * 1.0 + 0.5, elapsed  # two rounds of calls, each under its 1 s deadline
+                        decision = await router.route_chain(ns, KEYS, len(PROMPT), BLOCK, NS.block_bytes, "s2", candidates)
+                        assert decision.expected_cached_tokens == 0
+                    finally:
+                        b.process.send_signal(signal.SIGCONT)
+                    listed[0] = DaemonAddress("gpu-a", a.address, "tok-a")
+                    assert await matched() == {"gpu-a": (HOST,) * 4, "vllm@gpu-a": (GPU,) * 2}  # back once it answers
+                finally:
+                    await index.close()
+        finally:
+            publisher.close()
+            context.term()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=90))

@@ -5,13 +5,19 @@ publisher speaking vLLM's wire format stands in for an engine's KV events."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import zmq.asyncio
-from daemon_harness import daemons
+from daemon_harness import daemons, eventually
 from vllm_kv_events import VllmPublisher, batch, stored
 
 from kvstore.api.client import connect
@@ -124,3 +130,100 @@ def test_the_router_asks_each_daemon_for_its_prefix_and_a_silent_daemon_holds_no
             context.term()
 
     asyncio.run(asyncio.wait_for(main(), timeout=90))
+
+
+ROUTER_TOML = """
+[router]
+port = {port}
+index = "daemons"
+health_interval_s = 0.5
+daemon_timeout_s = 0.5
+
+[router.namespace]
+model_id = "/models/tiny"
+num_layers = 2
+num_kv_heads = 2
+head_dim = 64
+dtype = "bfloat16"
+block_size = 16
+
+[[router.replicas]]
+url = "{url_a}"
+node_id = "replica-a"
+daemon = "{daemon_a}"
+daemon_token = "tok-a"
+
+[[router.replicas]]
+url = "{url_b}"
+node_id = "replica-b"
+daemon = "{daemon_b}"
+
+[routing]
+remote_fetch = false
+"""
+
+
+@contextlib.contextmanager
+def started(command: list[str], log: Path) -> Iterator[subprocess.Popen]:
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=out, text=True)
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+
+
+def test_the_router_sends_each_prompt_to_the_replica_whose_daemon_holds_it_and_survives_a_dead_daemon(tmp_path):
+    prompt_a, prompt_b = list(range(2000, 2000 + 6 * BLOCK)), list(range(3000, 3000 + 6 * BLOCK))
+    keys_a, keys_b = chain_hashes(prompt_a, BLOCK), chain_hashes(prompt_b, BLOCK)
+    replica = [sys.executable, str(Path(__file__).parent / "http_replica.py")]
+    with (
+        daemons(tmp_path) as start,
+        started([*replica, "replica-a", "tiny"], tmp_path / "replica-a.log") as engine_a,
+        started([*replica, "replica-b", "tiny"], tmp_path / "replica-b.log") as engine_b,
+    ):
+        a, b = start(node_id="replica-a", token="tok-a"), start(node_id="replica-b")
+        for daemon, token, keys, num_blocks in ((a, "tok-a", keys_a, 5), (b, "", keys_b, 4)):
+            with connect(daemon.address, token=token or None) as client:
+                ns = register(client)
+                payloads = [os.urandom(NS.block_bytes) for _ in range(num_blocks)]
+                client.store.Put(pb.PutRequest(namespace_id=ns, block_hashes=keys[:num_blocks], payloads=payloads))
+                match = pb.MatchRequest(namespace_id=ns, block_hashes=pb.BlockHashes(hashes=keys))
+                assert eventually(lambda c=client, m=match, n=num_blocks: [x.matched_blocks for x in c.index.Match(m).nodes] == [n])
+        port = unused_port()
+        urls = {name: f"http://127.0.0.1:{engine.stdout.readline().strip()}" for name, engine in (("a", engine_a), ("b", engine_b))}
+        config = tmp_path / "router.toml"
+        config.write_text(ROUTER_TOML.format(port=port, url_a=urls["a"], url_b=urls["b"], daemon_a=a.address, daemon_b=b.address))
+        router = f"http://127.0.0.1:{port}"
+        with started([sys.executable, "-m", "kvstore", "router", "--config", str(config)], tmp_path / "router.log"):
+
+            def healthy() -> bool:
+                with contextlib.suppress(httpx.HTTPError):
+                    return httpx.get(f"{router}/health", timeout=2).status_code == 200
+                return False
+
+            assert eventually(healthy, timeout_s=60), (tmp_path / "router.log").read_text()
+
+            def complete(prompt: list[int], session: str) -> httpx.Response:
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+                return httpx.post(f"{router}/v1/completions", json=body, headers={"x-session-id": session}, timeout=30)
+
+            for prompt, session, replica_id, cached in ((prompt_a, "s-a", "replica-a", 5), (prompt_b, "s-b", "replica-b", 4)):
+                answer = complete(prompt, session)
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["choices"][0]["text"] == replica_id
+                headers = answer.headers
+                assert (headers["x-kvstore-replica"], headers["x-kvstore-expected-cached-tokens"]) == (replica_id, str(cached * BLOCK))
+
+            b.stop(signal.SIGKILL)
+            started_at = time.monotonic()
+            answer = complete(prompt_b, "s-new")  # replica-b's daemon is gone: its blocks count as a miss, not an error
+            assert answer.status_code == 200 and answer.headers["x-kvstore-expected-cached-tokens"] == "0", answer.text
+            assert time.monotonic() - started_at < 5
+            answer = complete(prompt_a, "s-a2")  # replica-a's daemon still answers
+            assert (answer.headers["x-kvstore-replica"], answer.headers["x-kvstore-expected-cached-tokens"]) == (
+                "replica-a",
+                str(5 * BLOCK),
+            )
+        assert "the daemon of replica-b" in (tmp_path / "router.log").read_text()

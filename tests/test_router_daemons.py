@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import zmq.asyncio
 from daemon_harness import daemons, eventually
+from test_engine_subscriptions import BLOCK, NAMESPACE_TOML, NS  # the engines' namespace: the router's too
 from vllm_kv_events import VllmPublisher, batch, stored
 
 from kvstore.api.client import connect
@@ -27,23 +28,9 @@ from kvstore.hashing import chain_hashes
 from kvstore.index.daemons import DaemonAddress, DaemonsIndex
 from kvstore.index.scoring import Candidate
 from kvstore.index.sessions import EmbeddedSessionStore
-from kvstore.layout import KVLayout
-from kvstore.namespace import Namespace
 from kvstore.router import Router
 from kvstore.tier_kind import TierKind
 
-BLOCK = 16
-LAYOUT = KVLayout(2, 2, 64, BLOCK, "bfloat16", 2, "HND")
-NS = Namespace("/models/tiny", LAYOUT)
-NAMESPACE_TOML = """
-[engines.namespace]
-model_id = "/models/tiny"
-num_layers = 2
-num_kv_heads = 2
-head_dim = 64
-dtype = "bfloat16"
-block_size = 16
-"""
 PROMPT = list(range(500, 500 + 6 * BLOCK))
 KEYS = chain_hashes(PROMPT, BLOCK)
 GPU, HOST = TierKind.GPU, TierKind.HOST
@@ -138,15 +125,7 @@ port = {port}
 index = "daemons"
 health_interval_s = 0.5
 daemon_timeout_s = 0.5
-
-[router.namespace]
-model_id = "/models/tiny"
-num_layers = 2
-num_kv_heads = 2
-head_dim = 64
-dtype = "bfloat16"
-block_size = 16
-
+{namespace}
 [[router.replicas]]
 url = "{url_a}"
 node_id = "replica-a"
@@ -194,7 +173,16 @@ def test_the_router_sends_each_prompt_to_the_replica_whose_daemon_holds_it_and_s
         port = unused_port()
         urls = {name: f"http://127.0.0.1:{engine.stdout.readline().strip()}" for name, engine in (("a", engine_a), ("b", engine_b))}
         config = tmp_path / "router.toml"
-        config.write_text(ROUTER_TOML.format(port=port, url_a=urls["a"], url_b=urls["b"], daemon_a=a.address, daemon_b=b.address))
+        config.write_text(
+            ROUTER_TOML.format(
+                namespace=NAMESPACE_TOML.replace("[engines.namespace]", "[router.namespace]"),
+                port=port,
+                url_a=urls["a"],
+                url_b=urls["b"],
+                daemon_a=a.address,
+                daemon_b=b.address,
+            )
+        )
         router = f"http://127.0.0.1:{port}"
         with started([sys.executable, "-m", "kvstore", "router", "--config", str(config)], tmp_path / "router.log"):
 

@@ -244,6 +244,20 @@ def test_a_reload_of_a_bad_file_is_refused_with_a_sentence_and_the_running_list_
     assert router.value("kvstore_router_config_last_reload_successful") == 1 and len(router.config.replicas) == 2
 
 
+def test_a_reload_that_switches_the_index_is_refused_while_the_running_index_needs_the_old_list(tmp_path, caplog):
+    """router.index takes a restart, so the running one judges the file's replicas: a one-host
+    router refuses a list without daemons, and a Redis router one with them."""
+    for running, text, words in (
+        (ONE_HOST, CONFIG, 'router.index = "daemons" asks each replica\'s daemon, but replica gpu-1 names none'),
+        (CONFIG, ONE_HOST, 'replica gpu-1 names a daemon, which only router.index = "daemons" asks'),
+    ):
+        router = Reloadable(tmp_path / "kvstore.toml", running)
+        before = router.config
+        router.sighup(text)
+        assert router.config is before and router.value("kvstore_router_config_last_reload_successful") == 0
+        assert "configuration reload refused, the replica list stays gpu-1:" in caplog.text and words in caplog.text
+
+
 def test_a_router_started_without_a_file_has_nothing_to_reload(tmp_path, caplog):
     router = Reloadable(tmp_path / "kvstore.toml")  # as if its settings had come from the command line
     assert ConfigReload(None, router.replicas, router.metrics)(router.config) is router.config

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import zmq.asyncio
 from daemon_harness import daemons, eventually
@@ -23,6 +24,7 @@ from vllm_kv_events import VllmPublisher, batch, stored
 
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
+from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.config import RoutingConfig
 from kvstore.hashing import chain_hashes
 from kvstore.index.daemons import DaemonAddress, DaemonsIndex
@@ -215,3 +217,50 @@ def test_the_router_sends_each_prompt_to_the_replica_whose_daemon_holds_it_and_s
                 str(5 * BLOCK),
             )
         assert "the daemon of replica-b" in (tmp_path / "router.log").read_text()
+
+
+class _Answers(pb_grpc.IndexServicer):
+    """A gRPC Index service that answers what a test gives it (a daemon's answers that a
+    router must not believe)."""
+
+    def __init__(self, nodes: list[pb.NodeMatch]) -> None:
+        self.nodes = nodes
+
+    async def Match(self, request, context):
+        return pb.MatchResponse(nodes=self.nodes)
+
+    async def Nodes(self, request, context):
+        return pb.NodesResponse(nodes=[pb.NodeInfo(node_id=n.node_id, kind="kvstore") for n in self.nodes])
+
+
+def test_a_daemons_doubtful_answer_is_a_miss(caplog):
+    host = pb.TierCount(tier=pb.TIER_HOST, blocks=3)
+
+    async def main():
+        answers = _Answers([])
+        server = grpc.aio.server()
+        pb_grpc.add_IndexServicer_to_server(answers, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        index = DaemonsIndex(lambda: [DaemonAddress("gpu-a", f"127.0.0.1:{port}")], timeout_s=1.0)
+        try:
+            answers.nodes = [pb.NodeMatch(node_id="gpu-a", matched_blocks=3, tier_counts=[host])]
+            assert [(m.node_id, m.tiers) for m in await index.match(NS.digest, KEYS)] == [("gpu-a", (HOST,) * 3)]
+            doubtful = [
+                [pb.NodeMatch(node_id="gpu-z", matched_blocks=3, tier_counts=[host])],  # another node's blocks
+                [pb.NodeMatch(node_id="vllm@gpu-z", matched_blocks=3, tier_counts=[host])],  # another replica's engine
+                [pb.NodeMatch(node_id="gpu-a", matched_blocks=4, tier_counts=[host])],  # counts that do not add up
+                [pb.NodeMatch(node_id="gpu-a", matched_blocks=7, tier_counts=[pb.TierCount(tier=pb.TIER_HOST, blocks=7)])],  # > chain
+                [pb.NodeMatch(node_id="gpu-a", matched_blocks=3, tier_counts=[pb.TierCount(tier=99, blocks=3)])],  # unknown tier
+            ]
+            for nodes in doubtful:
+                answers.nodes = nodes
+                assert await index.match(NS.digest, KEYS) == [], nodes
+            answers.nodes = [*doubtful[0], *doubtful[1], *doubtful[2]]
+            assert [n.node_id for n in await index.nodes()] == ["gpu-a"]  # not another node, nor another replica's engine
+            assert "answered a doubtful match" in caplog.text
+        finally:
+            await index.close()
+            await server.stop(None)
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))

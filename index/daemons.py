@@ -38,11 +38,16 @@ from kvstore.events import BlockEvent
 from kvstore.hashing import BlockHash
 from kvstore.index.base import Index, NodeInfo, NodeMatch
 from kvstore.index.scoring import replica_of
+from kvstore.node import Limits
 from kvstore.tier_kind import TierKind
 
-__all__ = ["DaemonAddress", "DaemonsIndex"]
+__all__ = ["MAX_ASKED_BLOCKS", "DaemonAddress", "DaemonsIndex"]
 
 logger = logging.getLogger("kvstore.router")
+
+# a daemon refuses a longer chain (its Limits.max_blocks_per_request, by default): a
+# longer one is asked by its start, whose match is the chain's up to that many blocks
+MAX_ASKED_BLOCKS = Limits().max_blocks_per_request
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +80,9 @@ class DaemonsIndex(Index):
     async def match(self, namespace: bytes, hashes: Sequence[BlockHash], node_ids: Collection[str] | None = None) -> list[NodeMatch]:
         wanted = None if node_ids is None else set(node_ids)
         asked = [d for d in await self._current() if wanted is None or d.node_id in wanted or _engines_wanted(d, wanted)]
-        request = pb.MatchRequest(namespace_id=namespace, block_hashes=pb.BlockHashes(hashes=list(hashes)))
-        answers = await asyncio.gather(*(self._match_one(d, request, len(hashes)) for d in asked))
+        asked_hashes = list(hashes[:MAX_ASKED_BLOCKS])
+        request = pb.MatchRequest(namespace_id=namespace, block_hashes=pb.BlockHashes(hashes=asked_hashes))
+        answers = await asyncio.gather(*(self._match_one(d, request, len(asked_hashes)) for d in asked))
         matches = [m for answer in answers for m in answer if wanted is None or m.node_id in wanted]
         matches.sort(key=lambda m: (-m.num_blocks, m.node_id))
         return matches

@@ -27,7 +27,7 @@ from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.config import RoutingConfig
 from kvstore.hashing import chain_hashes
-from kvstore.index.daemons import DaemonAddress, DaemonsIndex
+from kvstore.index.daemons import MAX_ASKED_BLOCKS, DaemonAddress, DaemonsIndex
 from kvstore.index.scoring import Candidate
 from kvstore.index.sessions import EmbeddedSessionStore
 from kvstore.router import Router
@@ -86,6 +86,8 @@ def test_the_router_asks_each_daemon_for_its_prefix_and_a_silent_daemon_holds_no
                         await asyncio.sleep(0.1)
                     assert await matched() == {"gpu-a": (HOST,) * 4, "vllm@gpu-a": (GPU,) * 2}
                     assert await index.match(ns, KEYS, ["gpu-b"]) == []
+                    longest = KEYS + [os.urandom(16) for _ in range(MAX_ASKED_BLOCKS)]  # longer than a daemon takes
+                    assert [(m.node_id, m.num_blocks) for m in await index.match(ns, longest, ["gpu-a"])] == [("gpu-a", 4)]
                     kinds = {n.node_id: n.kind for n in await index.nodes()}
                     assert kinds == {"gpu-a": "kvstore", "vllm@gpu-a": "engine", "gpu-b": "kvstore"}
 

@@ -131,6 +131,8 @@ class DaemonsIndex(Index):
         try:
             response = await getattr(stub, method)(request, timeout=self._timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # it answered: it has never seen the namespace
+                return None
             if daemon.node_id not in self._silent:
                 self._silent.add(daemon.node_id)
                 logger.warning(
@@ -157,8 +159,9 @@ class DaemonsIndex(Index):
         """The daemons listed now; channels to addresses no longer listed are closed."""
         daemons = list(self._daemons())
         listed = {d.address for d in daemons}
-        for address in [a for a in self._channels if a not in listed]:
-            await self._channels.pop(address).close()
+        unlisted = [self._channels.pop(a) for a in list(self._channels) if a not in listed]  # before any await
+        for channel in unlisted:
+            await channel.close()
         return daemons
 
 

@@ -47,6 +47,13 @@ def engines_toml(*entries: str, namespace: str = NAMESPACE_TOML) -> str:
     return '[server]\nnode_id = "host-1"\n' + "".join(f"[[engines]]\n{entry}\n{namespace}" for entry in entries)
 
 
+def engines_file(tmp_path, endpoint: str):
+    """A daemon's configuration file naming one engine, "vllm", publishing at ``endpoint``."""
+    path = tmp_path / "engines.toml"
+    path.write_text(f'[[engines]]\nname = "vllm"\nendpoint = "{endpoint}"\n{NAMESPACE_TOML}')
+    return path
+
+
 def load(tmp_path, text: str):
     path = tmp_path / "kvstore.toml"
     path.write_text(text)
@@ -260,8 +267,7 @@ def test_a_daemon_subscribes_to_the_engines_of_its_configuration(tmp_path):
     async def main():
         context = zmq.asyncio.Context()
         publisher = VllmPublisher(context, topic="")
-        config = tmp_path / "engines.toml"
-        config.write_text(f'[[engines]]\nname = "vllm"\nendpoint = "{publisher.endpoint}"\n{NAMESPACE_TOML}')
+        config = engines_file(tmp_path, publisher.endpoint)
         try:
             with daemons(tmp_path) as start:
                 daemon = start(node_id="host-7", config=config)

@@ -19,7 +19,7 @@ import grpc
 import httpx
 import zmq.asyncio
 from daemon_harness import daemons, eventually
-from test_engine_subscriptions import BLOCK, NAMESPACE_TOML, NS  # the engines' namespace: the router's too
+from test_engine_subscriptions import BLOCK, NAMESPACE_TOML, NS, engines_file  # the engines' namespace: the router's too
 from vllm_kv_events import VllmPublisher, batch, stored
 
 from kvstore.api.client import connect
@@ -55,8 +55,7 @@ def test_the_router_asks_each_daemon_for_its_prefix_and_a_silent_daemon_holds_no
     async def main():
         context = zmq.asyncio.Context()
         publisher = VllmPublisher(context, topic="")
-        config = tmp_path / "engines.toml"
-        config.write_text(f'[[engines]]\nname = "vllm"\nendpoint = "{publisher.endpoint}"\n{NAMESPACE_TOML}')
+        config = engines_file(tmp_path, publisher.endpoint)
         try:
             with daemons(tmp_path) as start:
                 a = start(node_id="gpu-a", token="tok-a", config=config)

@@ -98,7 +98,7 @@ class DaemonsIndex(Index):
 
     # -- one daemon ------------------------------------------------------------------------
     async def _match_one(self, daemon: DaemonAddress, request: pb.MatchRequest, num_hashes: int) -> list[NodeMatch]:
-        response = await self._call(daemon, "Match", request)
+        response = await self._call(daemon, "Match", lambda stub: stub.Match, request)
         if response is None:
             return []
         matches = []
@@ -115,7 +115,7 @@ class DaemonsIndex(Index):
         return matches
 
     async def _nodes_one(self, daemon: DaemonAddress) -> list[NodeInfo]:
-        response = await self._call(daemon, "Nodes", pb.NodesRequest())
+        response = await self._call(daemon, "Nodes", lambda stub: stub.Nodes, pb.NodesRequest())
         if response is None:
             return []
         return [
@@ -124,12 +124,13 @@ class DaemonsIndex(Index):
             if _belongs(daemon, n.node_id)
         ]
 
-    async def _call(self, daemon: DaemonAddress, method: str, request):
-        """The daemon's answer, or None when it gives none within the deadline."""
+    async def _call(self, daemon: DaemonAddress, method: str, rpc: Callable[[pb_grpc.IndexStub], Callable], request):
+        """The daemon's answer to ``rpc`` of its Index service (named ``method`` in the log),
+        or None when it gives none within the deadline."""
         stub = pb_grpc.IndexStub(self._channel(daemon.address))
         metadata = bearer_metadata(daemon.token) if daemon.token else ()
         try:
-            response = await getattr(stub, method)(request, timeout=self._timeout_s, metadata=metadata)
+            response = await rpc(stub)(request, timeout=self._timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:  # it answered: it has never seen the namespace
                 return None

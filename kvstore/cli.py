@@ -638,6 +638,7 @@ def router(
     """
     try:
         from kvstore.gateway import ReplicaConfig, load_router_config, run_router
+        from kvstore.gateway.config import DAEMONS_INDEX
     except ImportError as exc:
         _fail(f"the router needs its extra: pip install 'kvstore[router]' ({exc}).", EXIT_USAGE)
     overrides: dict[str, Any] = {}
@@ -661,6 +662,12 @@ def router(
     except KVStoreError as exc:
         _fail(str(exc), EXIT_USAGE)
     click.echo(f"kvstore router on http://{config.host}:{config.port} in front of {', '.join(r.url for r in config.replicas)}", err=True)
+    if config.index == DAEMONS_INDEX:
+        click.echo(
+            "kvstore router: asking each replica's daemon for its cached prefix; sessions live in this router's memory "
+            "(one router replica; several that share sessions need a redis:// index).",
+            err=True,
+        )
     run_router(config, functools.partial(load_router_config, config_path, overrides, given) if config_path is not None else None)
 
 

@@ -217,7 +217,8 @@ def test_the_router_sends_each_prompt_to_the_replica_whose_daemon_holds_it_and_s
                 "replica-a",
                 str(5 * BLOCK),
             )
-        assert "the daemon of replica-b" in (tmp_path / "router.log").read_text()
+        log = (tmp_path / "router.log").read_text()
+        assert "the daemon of replica-b" in log and "sessions live in this router's memory (one router replica" in log
 
 
 class _Answers(pb_grpc.IndexServicer):

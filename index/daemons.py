@@ -6,7 +6,9 @@ routing decision this index asks every candidate's daemon, concurrently, over th
 daemon's gRPC ``Index.Match`` (and ``Index.Nodes`` for the engines and transport
 addresses), each call under its own deadline. A daemon that does not answer in time,
 refuses, or answers something doubtful (another node's blocks, counts that do not add
-up, an unknown tier) holds nothing for that decision: a miss, never an error.
+up, an unknown tier) holds nothing for that decision: a miss, never an error. One that
+let its deadline pass is not asked again for ``RETRY_AFTER_S`` (a miss meanwhile, without
+waiting), so a hung daemon costs one deadline per second, not one per request.
 
 A daemon answers only for itself and its engines (``<engine>@<replica>``): matches it
 reports for other nodes are dropped, so a daemon pointed at a shared index by mistake
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
@@ -41,13 +44,14 @@ from kvstore.index.scoring import replica_of
 from kvstore.node import Limits
 from kvstore.tier_kind import TierKind
 
-__all__ = ["MAX_ASKED_BLOCKS", "DaemonAddress", "DaemonsIndex"]
+__all__ = ["MAX_ASKED_BLOCKS", "RETRY_AFTER_S", "DaemonAddress", "DaemonsIndex"]
 
 logger = logging.getLogger("kvstore.router")
 
 # a daemon refuses a longer chain (its Limits.max_blocks_per_request, by default): a
 # longer one is asked by its start, whose match is the chain's up to that many blocks
 MAX_ASKED_BLOCKS = Limits().max_blocks_per_request
+RETRY_AFTER_S = 1.0  # a daemon that let its deadline pass is asked again after this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +62,9 @@ class DaemonAddress:
 
 
 class DaemonsIndex(Index):
-    def __init__(self, daemons: Callable[[], Sequence[DaemonAddress]], timeout_s: float) -> None:
+    def __init__(
+        self, daemons: Callable[[], Sequence[DaemonAddress]], timeout_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         """``daemons`` gives the current replicas' daemons (it follows a reloaded replica
         list); ``timeout_s`` is the deadline of each call to one daemon."""
         if not timeout_s > 0:
@@ -67,6 +73,8 @@ class DaemonsIndex(Index):
         self._timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._silent: set[str] = set()  # node ids whose daemon's last call failed (logged once)
+        self._clock = clock
+        self._asked_after: dict[str, float] = {}  # node id -> when its daemon, past its deadline, is asked again
 
     async def register(self, node: NodeInfo, lease_ttl_s: float) -> bool:
         raise InvalidArgument(_READ_ONLY)
@@ -127,6 +135,8 @@ class DaemonsIndex(Index):
     async def _call(self, daemon: DaemonAddress, method: str, rpc: Callable[[pb_grpc.IndexStub], Callable], request):
         """The daemon's answer to ``rpc`` of its Index service (named ``method`` in the log),
         or None when it gives none within the deadline."""
+        if self._clock() < self._asked_after.get(daemon.node_id, 0.0):
+            return None
         stub = pb_grpc.IndexStub(self._channel(daemon.address))
         metadata = bearer_metadata(daemon.token) if daemon.token else ()
         try:
@@ -134,6 +144,8 @@ class DaemonsIndex(Index):
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:  # it answered: it has never seen the namespace
                 return None
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._asked_after[daemon.node_id] = self._clock() + RETRY_AFTER_S
             if daemon.node_id not in self._silent:
                 self._silent.add(daemon.node_id)
                 logger.warning(

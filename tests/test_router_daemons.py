@@ -17,10 +17,9 @@ from pathlib import Path
 
 import grpc
 import httpx
-import zmq.asyncio
 from daemon_harness import daemons, eventually
 from test_engine_subscriptions import BLOCK, NAMESPACE_TOML, NS, engines_file  # the engines' namespace: the router's too
-from vllm_kv_events import VllmPublisher, batch, stored
+from vllm_kv_events import batch, publishing, stored
 
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
@@ -53,73 +52,67 @@ def unused_port() -> int:
 
 def test_the_router_asks_each_daemon_for_its_prefix_and_a_silent_daemon_holds_nothing(tmp_path, caplog):
     async def main():
-        context = zmq.asyncio.Context()
-        publisher = VllmPublisher(context, topic="")
-        config = engines_file(tmp_path, publisher.endpoint)
-        try:
-            with daemons(tmp_path) as start:
-                a = start(node_id="gpu-a", token="tok-a", config=config)
-                b = start(node_id="gpu-b")
-                with connect(a.address, token="tok-a") as client:
-                    ns = register(client)
-                    payloads = [os.urandom(NS.block_bytes) for _ in KEYS[:4]]
-                    assert client.store.Put(pb.PutRequest(namespace_id=ns, block_hashes=KEYS[:4], payloads=payloads)).num_stored == 4
+        with publishing() as publisher, daemons(tmp_path) as start:
+            config = engines_file(tmp_path, publisher.endpoint)
+            a = start(node_id="gpu-a", token="tok-a", config=config)
+            b = start(node_id="gpu-b")
+            with connect(a.address, token="tok-a") as client:
+                ns = register(client)
+                payloads = [os.urandom(NS.block_bytes) for _ in KEYS[:4]]
+                assert client.store.Put(pb.PutRequest(namespace_id=ns, block_hashes=KEYS[:4], payloads=payloads)).num_stored == 4
 
-                    def counters() -> dict:
-                        return dict(client.admin.Stats(pb.StatsRequest()).counters)
+                def counters() -> dict:
+                    return dict(client.admin.Stats(pb.StatsRequest()).counters)
 
-                    await publisher.handshake(lambda: counters().get("engine_vllm_messages", 0) > 0, timeout_s=20)
-                    await publisher.send(batch([stored([11, 12], None, PROMPT[: 2 * BLOCK], BLOCK)]))
+                await publisher.handshake(lambda: counters().get("engine_vllm_messages", 0) > 0, timeout_s=20)
+                await publisher.send(batch([stored([11, 12], None, PROMPT[: 2 * BLOCK], BLOCK)]))
 
-                listed = [DaemonAddress("gpu-a", a.address, "tok-a"), DaemonAddress("gpu-b", b.address)]
-                index = DaemonsIndex(lambda: listed, timeout_s=1.0)
+            listed = [DaemonAddress("gpu-a", a.address, "tok-a"), DaemonAddress("gpu-b", b.address)]
+            index = DaemonsIndex(lambda: listed, timeout_s=1.0)
+            try:
+
+                async def matched() -> dict:
+                    return {m.node_id: m.tiers for m in await index.match(ns, KEYS)}
+
+                deadline = time.monotonic() + 10
+                while len(await matched()) < 2 and time.monotonic() < deadline:  # the daemon indexes asynchronously
+                    await asyncio.sleep(0.1)
+                assert await matched() == {"gpu-a": (HOST,) * 4, "vllm@gpu-a": (GPU,) * 2}
+                assert await index.match(ns, KEYS, ["gpu-b"]) == []  # b has never seen the namespace: NOT_FOUND
+                assert "did not answer" not in caplog.text  # which is an answer, not a silence
+                longest = KEYS + [os.urandom(16) for _ in range(MAX_ASKED_BLOCKS)]  # longer than a daemon takes
+                assert [(m.node_id, m.num_blocks) for m in await index.match(ns, longest, ["gpu-a"])] == [("gpu-a", 4)]
+                kinds = {n.node_id: n.kind for n in await index.nodes()}
+                assert kinds == {"gpu-a": "kvstore", "vllm@gpu-a": "engine", "gpu-b": "kvstore"}
+
+                # the router's code is unchanged: the engine's GPU blocks lead gpu-a's match
+                router = Router(None, index, EmbeddedSessionStore(), RoutingConfig(remote_fetch=False))
+                candidates = [Candidate("gpu-a", queued_tokens=0), Candidate("gpu-b", queued_tokens=0)]
+                decision = await router.route_chain(ns, KEYS, len(PROMPT), BLOCK, NS.block_bytes, "s1", candidates)
+                assert (decision.node_id, decision.expected_cached_tokens) == ("gpu-a", 4 * BLOCK)
+                assert (await router.sessions.get("s1")).node_id == "gpu-a"
+
+                # a wrong token, a daemon that hangs and an address nobody listens on: misses, within the deadline
+                listed[0] = DaemonAddress("gpu-a", a.address, "wrong")
+                listed.append(DaemonAddress("gpu-c", f"127.0.0.1:{unused_port()}"))
+                b.process.send_signal(signal.SIGSTOP)
                 try:
-
-                    async def matched() -> dict:
-                        return {m.node_id: m.tiers for m in await index.match(ns, KEYS)}
-
-                    deadline = time.monotonic() + 10
-                    while len(await matched()) < 2 and time.monotonic() < deadline:  # the daemon indexes asynchronously
-                        await asyncio.sleep(0.1)
-                    assert await matched() == {"gpu-a": (HOST,) * 4, "vllm@gpu-a": (GPU,) * 2}
-                    assert await index.match(ns, KEYS, ["gpu-b"]) == []  # b has never seen the namespace: NOT_FOUND
-                    assert "did not answer" not in caplog.text  # which is an answer, not a silence
-                    longest = KEYS + [os.urandom(16) for _ in range(MAX_ASKED_BLOCKS)]  # longer than a daemon takes
-                    assert [(m.node_id, m.num_blocks) for m in await index.match(ns, longest, ["gpu-a"])] == [("gpu-a", 4)]
-                    kinds = {n.node_id: n.kind for n in await index.nodes()}
-                    assert kinds == {"gpu-a": "kvstore", "vllm@gpu-a": "engine", "gpu-b": "kvstore"}
-
-                    # the router's code is unchanged: the engine's GPU blocks lead gpu-a's match
-                    router = Router(None, index, EmbeddedSessionStore(), RoutingConfig(remote_fetch=False))
-                    candidates = [Candidate("gpu-a", queued_tokens=0), Candidate("gpu-b", queued_tokens=0)]
-                    decision = await router.route_chain(ns, KEYS, len(PROMPT), BLOCK, NS.block_bytes, "s1", candidates)
-                    assert (decision.node_id, decision.expected_cached_tokens) == ("gpu-a", 4 * BLOCK)
-                    assert (await router.sessions.get("s1")).node_id == "gpu-a"
-
-                    # a wrong token, a daemon that hangs and an address nobody listens on: misses, within the deadline
-                    listed[0] = DaemonAddress("gpu-a", a.address, "wrong")
-                    listed.append(DaemonAddress("gpu-c", f"127.0.0.1:{unused_port()}"))
-                    b.process.send_signal(signal.SIGSTOP)
-                    try:
-                        started = time.monotonic()
-                        assert await index.match(ns, KEYS) == []
-                        assert 1.0 <= time.monotonic() - started < 1.5  # the hung daemon's 1 s deadline, once
-                        assert "the daemon of gpu-b at" in caplog.text and "the daemon of gpu-c at" in caplog.text
-                        started = time.monotonic()  # within RETRY_AFTER_S the hung daemon is not waited for again
-                        assert await index.nodes() == []
-                        decision = await router.route_chain(ns, KEYS, len(PROMPT), BLOCK, NS.block_bytes, "s2", candidates)
-                        assert decision.expected_cached_tokens == 0 and time.monotonic() - started < 0.5
-                    finally:
-                        b.process.send_signal(signal.SIGCONT)
-                    await asyncio.sleep(RETRY_AFTER_S)
-                    assert [n.node_id for n in await index.nodes()] == ["gpu-b"]  # asked again, and answers
-                    listed[0] = DaemonAddress("gpu-a", a.address, "tok-a")
-                    assert await matched() == {"gpu-a": (HOST,) * 4, "vllm@gpu-a": (GPU,) * 2}  # back once it answers
+                    started = time.monotonic()
+                    assert await index.match(ns, KEYS) == []
+                    assert 1.0 <= time.monotonic() - started < 1.5  # the hung daemon's 1 s deadline, once
+                    assert "the daemon of gpu-b at" in caplog.text and "the daemon of gpu-c at" in caplog.text
+                    started = time.monotonic()  # within RETRY_AFTER_S the hung daemon is not waited for again
+                    assert await index.nodes() == []
+                    decision = await router.route_chain(ns, KEYS, len(PROMPT), BLOCK, NS.block_bytes, "s2", candidates)
+                    assert decision.expected_cached_tokens == 0 and time.monotonic() - started < 0.5
                 finally:
-                    await index.close()
-        finally:
-            publisher.close()
-            context.term()
+                    b.process.send_signal(signal.SIGCONT)
+                await asyncio.sleep(RETRY_AFTER_S)
+                assert [n.node_id for n in await index.nodes()] == ["gpu-b"]  # asked again, and answers
+                listed[0] = DaemonAddress("gpu-a", a.address, "tok-a")
+                assert await matched() == {"gpu-a": (HOST,) * 4, "vllm@gpu-a": (GPU,) * 2}  # back once it answers
+            finally:
+                await index.close()
 
     asyncio.run(asyncio.wait_for(main(), timeout=90))
 

@@ -7,7 +7,9 @@ deleting its blocks one by one.
 
     Index
     ├── EmbeddedIndex  (index/embedded.py)  in-process; the default for one host
-    └── RedisIndex     (index/redis.py)     Redis / Redis Cluster, for a fleet
+    ├── RedisIndex     (index/redis.py)     Redis / Redis Cluster, for a fleet
+    └── DaemonsIndex   (index/daemons.py)   the router's on one host: asks each
+                                            replica's daemon (its EmbeddedIndex) over gRPC
 
     SessionStore: session → node affinities for routing, kept in the same backend so
     that every router replica agrees.

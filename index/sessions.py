@@ -10,7 +10,7 @@ Expired sessions are forgotten lazily: a heap of (expiry, session) is popped on 
 call (and rebuilt when refreshes have left it mostly stale), so memory follows the
 sessions active within one TTL, not every session ever seen.
 
-Owner: the daemon's event loop; not thread-safe.
+Owner: the event loop of the daemon, or of the router on one host (router.index = "daemons"); not thread-safe.
 """
 
 from __future__ import annotations

@@ -599,9 +599,15 @@ def _message_document(response) -> dict:
 )
 @click.option("--host", help="address to listen on (router.host).")
 @click.option("--port", type=int, help="port to listen on (router.port).")
-@click.option("--index", help="the redis:// index the replicas' daemons publish to (router.index).")
 @click.option(
-    "--replica", "replicas", multiple=True, metavar="URL=NODE_ID", help="an engine replica and its daemon's node id (repeatable)."
+    "--index", help='the redis:// index the replicas\' daemons publish to, or "daemons" on one host without Redis (router.index).'
+)
+@click.option(
+    "--replica",
+    "replicas",
+    multiple=True,
+    metavar="URL=NODE_ID[@DAEMON]",
+    help="an engine replica, its daemon's node id and, with --index daemons, that daemon's gRPC host:port (repeatable).",
 )
 @click.option("--set", "settings", multiple=True, metavar="FIELD=VALUE", help="override one router.FIELD setting (repeatable).")
 def router(
@@ -622,9 +628,17 @@ def router(
     restart. A file that does not load is refused, logged, and the running list kept.
     kvstore_router_config_reloads_total{result} and
     kvstore_router_config_last_reload_successful on /metrics say how it went.
+
+    One host without Redis: --index daemons (router.index = "daemons"), each replica
+    naming its daemon (daemon = "127.0.0.1:50551", and daemon_token when the daemon has
+    a server.auth_token), each daemon with index.backend = "embedded". The router asks
+    the candidates' daemons for their cached prefix, under router.daemon_timeout_s a
+    call (one that does not answer holds nothing), and keeps sessions in its memory:
+    run one router replica so; several that share sessions need a redis:// index.
     """
     try:
         from kvstore.gateway import ReplicaConfig, load_router_config, run_router
+        from kvstore.gateway.config import DAEMONS_INDEX
     except ImportError as exc:
         _fail(f"the router needs its extra: pip install 'kvstore[router]' ({exc}).", EXIT_USAGE)
     overrides: dict[str, Any] = {}
@@ -639,14 +653,21 @@ def router(
     try:
         given = []
         for pair in replicas:
-            url, sep, node_id = pair.rpartition("=")
+            url, sep, named = pair.rpartition("=")
             if not sep:
-                _fail(f"--replica expects URL=NODE_ID, got {pair!r}.", EXIT_USAGE)
-            given.append(ReplicaConfig(url, node_id))
+                _fail(f"--replica expects URL=NODE_ID or URL=NODE_ID@DAEMON, got {pair!r}.", EXIT_USAGE)
+            node_id, _at, daemon = named.partition("@")
+            given.append(ReplicaConfig(url, node_id, daemon=daemon))
         config = load_router_config(config_path, overrides, given)
     except KVStoreError as exc:
         _fail(str(exc), EXIT_USAGE)
     click.echo(f"kvstore router on http://{config.host}:{config.port} in front of {', '.join(r.url for r in config.replicas)}", err=True)
+    if config.index == DAEMONS_INDEX:
+        click.echo(
+            "kvstore router: asking each replica's daemon for its cached prefix; sessions live in this router's memory "
+            "(one router replica; several that share sessions need a redis:// index).",
+            err=True,
+        )
     run_router(config, functools.partial(load_router_config, config_path, overrides, given) if config_path is not None else None)
 
 

@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from vllm_kv_events import VllmPublisher, batch, eventually, stored
+from vllm_kv_events import VllmPublisher, batch, eventually, publishing, stored
 
 from kvstore.config import ConfigError, RoutingConfig, load_config
 from kvstore.engines import EngineSubscriptions
@@ -45,6 +45,13 @@ NS = Namespace("/models/tiny", KVLayout(2, 2, 64, BLOCK, "bfloat16", 2, "HND"))
 
 def engines_toml(*entries: str, namespace: str = NAMESPACE_TOML) -> str:
     return '[server]\nnode_id = "host-1"\n' + "".join(f"[[engines]]\n{entry}\n{namespace}" for entry in entries)
+
+
+def engines_file(tmp_path, endpoint: str):
+    """A daemon's configuration file naming one engine, "vllm", publishing at ``endpoint``."""
+    path = tmp_path / "engines.toml"
+    path.write_text(f'[[engines]]\nname = "vllm"\nendpoint = "{endpoint}"\n{NAMESPACE_TOML}')
+    return path
 
 
 def load(tmp_path, text: str):
@@ -248,7 +255,6 @@ def test_stopping_cuts_the_wait_before_a_failed_subscription_starts_again(tmp_pa
 
 def test_a_daemon_subscribes_to_the_engines_of_its_configuration(tmp_path):
     import httpx
-    import zmq.asyncio
     from daemon_harness import daemons
 
     from kvstore.api.client import connect
@@ -258,45 +264,38 @@ def test_a_daemon_subscribes_to_the_engines_of_its_configuration(tmp_path):
     keys = chain_hashes(prompt, BLOCK)
 
     async def main():
-        context = zmq.asyncio.Context()
-        publisher = VllmPublisher(context, topic="")
-        config = tmp_path / "engines.toml"
-        config.write_text(f'[[engines]]\nname = "vllm"\nendpoint = "{publisher.endpoint}"\n{NAMESPACE_TOML}')
-        try:
-            with daemons(tmp_path) as start:
-                daemon = start(node_id="host-7", config=config)
-                with connect(daemon.address) as client:
+        with publishing() as publisher, daemons(tmp_path) as start:
+            config = engines_file(tmp_path, publisher.endpoint)
+            daemon = start(node_id="host-7", config=config)
+            with connect(daemon.address) as client:
 
-                    def counters() -> dict:
-                        return dict(client.admin.Stats(pb.StatsRequest()).counters)
+                def counters() -> dict:
+                    return dict(client.admin.Stats(pb.StatsRequest()).counters)
 
-                    await publisher.handshake(lambda: counters().get("engine_vllm_messages", 0) > 0, timeout_s=20)
-                    await publisher.send(batch([stored([11, 12, 13, 14], None, prompt, BLOCK)]))
+                await publisher.handshake(lambda: counters().get("engine_vllm_messages", 0) > 0, timeout_s=20)
+                await publisher.send(batch([stored([11, 12, 13, 14], None, prompt, BLOCK)]))
 
-                    def matched() -> list:
-                        request = pb.MatchRequest(namespace_id=NS.digest, block_hashes=pb.BlockHashes(hashes=keys))
-                        return [(n.node_id, n.matched_blocks) for n in client.index.Match(request).nodes]
+                def matched() -> list:
+                    request = pb.MatchRequest(namespace_id=NS.digest, block_hashes=pb.BlockHashes(hashes=keys))
+                    return [(n.node_id, n.matched_blocks) for n in client.index.Match(request).nodes]
 
-                    await eventually(lambda: matched() == [("vllm@host-7", 4)], timeout_s=10)
-                    shown = counters()
-                    assert shown["engine_vllm_connected"] == 1 and shown["engine_vllm_blocks"] == 4 and shown["engine_vllm_gaps"] == 0
+                await eventually(lambda: matched() == [("vllm@host-7", 4)], timeout_s=10)
+                shown = counters()
+                assert shown["engine_vllm_connected"] == 1 and shown["engine_vllm_blocks"] == 4 and shown["engine_vllm_gaps"] == 0
 
-                def metrics() -> str:  # refreshed on the daemon's housekeeping tick
-                    return httpx.get(f"http://127.0.0.1:{daemon.state['metrics_port']}/metrics", timeout=10).text
+            def metrics() -> str:  # refreshed on the daemon's housekeeping tick
+                return httpx.get(f"http://127.0.0.1:{daemon.state['metrics_port']}/metrics", timeout=10).text
 
-                await eventually(lambda: 'kvstore_engine_blocks{engine="vllm@host-7"} 4.0' in metrics(), timeout_s=5)
-                assert 'kvstore_engine_connected{engine="vllm@host-7"} 1.0' in metrics()
-                assert 'kvstore_engine_batches_total{engine="vllm@host-7"}' in metrics()
-                status = subprocess.run(
-                    [sys.executable, "-m", "kvstore", "--address", daemon.address, "status"], capture_output=True, text=True, timeout=60
-                )
-                assert status.returncode == 0, status.stderr
-                assert "engine vllm: connected, 4 GPU blocks indexed" in status.stdout
-                assert daemon.stop() == 0
-                assert "subscribing to the KV events of engine vllm" in daemon.log()
-        finally:
-            publisher.close()
-            context.term()
+            await eventually(lambda: 'kvstore_engine_blocks{engine="vllm@host-7"} 4.0' in metrics(), timeout_s=5)
+            assert 'kvstore_engine_connected{engine="vllm@host-7"} 1.0' in metrics()
+            assert 'kvstore_engine_batches_total{engine="vllm@host-7"}' in metrics()
+            status = subprocess.run(
+                [sys.executable, "-m", "kvstore", "--address", daemon.address, "status"], capture_output=True, text=True, timeout=60
+            )
+            assert status.returncode == 0, status.stderr
+            assert "engine vllm: connected, 4 GPU blocks indexed" in status.stdout
+            assert daemon.stop() == 0
+            assert "subscribing to the KV events of engine vllm" in daemon.log()
 
     asyncio.run(main())
 

@@ -68,7 +68,7 @@ def test_the_router_reads_its_section_and_the_daemon_skips_it(tmp_path):
 @pytest.mark.parametrize(
     "change, words",
     [
-        ({"index": "embedded"}, "redis://"),
+        ({"index": "embedded"}, 'or "daemons" on one host'),
         ({"max_attempts": "0"}, "router.max_attempts"),
         ({"no_such_setting": "1"}, "unknown setting router.no_such_setting"),
         ({"session_header": "X-Session"}, "lower-case"),
@@ -93,6 +93,53 @@ def test_a_namespace_without_its_geometry_and_duplicate_replicas_are_refused(tmp
     path.write_text(CONFIG)
     with pytest.raises(ConfigError, match="node_id must be unique"):
         load_router_config(path, replicas=[ReplicaConfig("http://10.0.0.9:8000", "gpu-1")])
+
+
+ONE_HOST = CONFIG.replace('index = "redis://127.0.0.1:6379/0"', 'index = "daemons"\ndaemon_timeout_s = 0.25').replace(
+    'node_id = "gpu-1"', 'node_id = "gpu-1"\ndaemon = "127.0.0.1:50551"\ndaemon_token = "s3cret"'
+)
+
+
+def test_one_host_without_redis_names_each_replicas_daemon(tmp_path):
+    path = tmp_path / "kvstore.toml"
+    path.write_text(ONE_HOST)
+    config = load_router_config(path, replicas=[ReplicaConfig("http://10.0.0.2:8000", "gpu-2", daemon="localhost:50552")])
+    assert (config.index, config.daemon_timeout_s) == ("daemons", 0.25)
+    assert [(r.node_id, r.daemon, r.daemon_token) for r in config.replicas] == [
+        ("gpu-1", "127.0.0.1:50551", "s3cret"),
+        ("gpu-2", "localhost:50552", ""),
+    ]
+    assert load_router_config(path, {"daemon_timeout_s": "2"}).daemon_timeout_s == 2.0
+    # the command line's --replica URL=NODE_ID@DAEMON
+    result = CliRunner().invoke(main, ["router", "--index", "daemons", "--replica", "http://10.0.0.1:8000=gpu-1@127.0.0.1:0"])
+    assert result.exit_code == 2 and "replica gpu-1's daemon must be the host:port" in result.output
+
+
+@pytest.mark.parametrize(
+    "text, replicas, words",
+    [
+        (
+            ONE_HOST,
+            [ReplicaConfig("http://10.0.0.2:8000", "gpu-2")],
+            'router.index = "daemons" asks each replica\'s daemon, but replica gpu-2 names none: give it daemon = "HOST:PORT"',
+        ),
+        (ONE_HOST.replace('"127.0.0.1:50551"', '"127.0.0.1"'), [], "replica gpu-1's daemon must be the host:port of its daemon's gRPC API"),
+        (ONE_HOST.replace('"127.0.0.1:50551"', '"http://127.0.0.1:50551"'), [], "replica gpu-1's daemon must be the host:port"),
+        (ONE_HOST.replace('"127.0.0.1:50551"', '"127.0.0.1:70000"'), [], "got '127.0.0.1:70000'"),
+        (ONE_HOST.replace('daemon = "127.0.0.1:50551"', ""), [], "replica gpu-1 has a daemon_token but no daemon address"),
+        (ONE_HOST.replace("daemon_timeout_s = 0.25", "daemon_timeout_s = 0"), [], "router.daemon_timeout_s must be a positive number"),
+        (
+            CONFIG,
+            [ReplicaConfig("http://10.0.0.2:8000", "gpu-2", daemon="127.0.0.1:50552")],
+            'replica gpu-2 names a daemon, which only router.index = "daemons" asks',
+        ),
+    ],
+)
+def test_one_host_settings_that_cannot_work_are_named(tmp_path, text, replicas, words):
+    path = tmp_path / "kvstore.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load_router_config(path, replicas=replicas)
 
 
 GPU_2 = """
@@ -195,6 +242,20 @@ def test_a_reload_of_a_bad_file_is_refused_with_a_sentence_and_the_running_list_
     assert "configuration reload refused, the replica list stays gpu-1:" in caplog.text and words in caplog.text
     router.sighup(CONFIG + GPU_2)  # the file fixed: the next SIGHUP applies it
     assert router.value("kvstore_router_config_last_reload_successful") == 1 and len(router.config.replicas) == 2
+
+
+def test_a_reload_that_switches_the_index_is_refused_while_the_running_index_needs_the_old_list(tmp_path, caplog):
+    """router.index takes a restart, so the running one judges the file's replicas: a one-host
+    router refuses a list without daemons, and a Redis router one with them."""
+    for running, text, words in (
+        (ONE_HOST, CONFIG, 'router.index = "daemons" asks each replica\'s daemon, but replica gpu-1 names none'),
+        (CONFIG, ONE_HOST, 'replica gpu-1 names a daemon, which only router.index = "daemons" asks'),
+    ):
+        router = Reloadable(tmp_path / "kvstore.toml", running)
+        before = router.config
+        router.sighup(text)
+        assert router.config is before and router.value("kvstore_router_config_last_reload_successful") == 0
+        assert "configuration reload refused, the replica list stays gpu-1:" in caplog.text and words in caplog.text
 
 
 def test_a_router_started_without_a_file_has_nothing_to_reload(tmp_path, caplog):

@@ -13,9 +13,10 @@ purpose; `MemoryIndex` is a small in-memory `Index` for when no real one is at h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import msgpack
@@ -138,6 +139,18 @@ class VllmPublisher:
         self.pub.close(linger=0)
         if self.router is not None:
             self.router.close(linger=0)
+
+
+@contextlib.contextmanager
+def publishing(topic: str = "") -> Iterator[VllmPublisher]:
+    """An engine's publisher on a ZMQ context of its own, both closed at exit."""
+    context = zmq.asyncio.Context()
+    publisher = VllmPublisher(context, topic=topic)
+    try:
+        yield publisher
+    finally:
+        publisher.close()
+        context.term()
 
 
 async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:

@@ -13,7 +13,9 @@ For each ``/v1/completions`` or ``/v1/chat/completions`` request the router
    tier, and lets the production cost model (kvstore.router.Router over
    kvstore.index.scoring) choose, with the load the router tracks and the session's
    affinity (kept in the index backend, so router replicas agree), among the replicas
-   that serve the request's model (an adapter only where it is loaded);
+   that serve the request's model (an adapter only where it is loaded). On one host
+   without Redis (``router.index = "daemons"``) the index is the replicas' daemons, asked
+   over gRPC (index/daemons.py), and the sessions live in this router's memory;
 4. forwards the body untouched and streams the answer back chunk by chunk;
 5. remembers the chain under the request's tenant label, for the cache bytes held per
    tenant that a background task measures against the index (tenant_cache.py).
@@ -52,7 +54,7 @@ from starlette.routing import Route
 
 from kvstore.config import IndexConfig
 from kvstore.errors import KVStoreError
-from kvstore.gateway.config import RouterConfig
+from kvstore.gateway.config import DAEMONS_INDEX, RouterConfig
 from kvstore.gateway.disagg import decode_transfer_params, prefill_request
 from kvstore.gateway.metrics import RouterMetrics
 from kvstore.gateway.prompts import (
@@ -70,7 +72,10 @@ from kvstore.gateway.replicas import Replica, ReplicaSet
 from kvstore.gateway.tenant_cache import RecentChains, TenantCache
 from kvstore.hashing import chain_hashes
 from kvstore.index.backends import open_index
+from kvstore.index.base import Index, SessionStore
+from kvstore.index.daemons import DaemonAddress, DaemonsIndex
 from kvstore.index.scoring import RouteDecision
+from kvstore.index.sessions import EmbeddedSessionStore
 from kvstore.router import Router
 
 __all__ = ["Gateway", "build_app", "openai_error"]
@@ -103,7 +108,7 @@ class Gateway:
         self.metrics = RouterMetrics([r.node_id for r in config.replicas], config.max_tenants)
         self.replicas = ReplicaSet.of(config.replicas, self.metrics)
         self.reload = ConfigReload(load, self.replicas, self.metrics)
-        self.index, self.sessions = open_index(IndexConfig(backend=config.index))
+        self.index, self.sessions = self._open_index(config)
         self.router = Router(None, self.index, self.sessions, config.routing)
         recent = RecentChains(config.tenant_cache_chains, config.tenant_cache_blocks)
         self.tenant_cache = TenantCache(recent, self.index, config.namespace, self.metrics)
@@ -113,6 +118,15 @@ class Gateway:
         )
         self._tasks: list[asyncio.Task] = []
         self._reload_checks: set[asyncio.Task] = set()
+
+    def _open_index(self, config: RouterConfig) -> tuple[Index, SessionStore]:
+        if config.index != DAEMONS_INDEX:
+            return open_index(IndexConfig(backend=config.index))
+        # the daemons of the replicas listed now: a reload's new list is asked from then on
+        return DaemonsIndex(self._daemons, config.daemon_timeout_s), EmbeddedSessionStore()
+
+    def _daemons(self) -> list[DaemonAddress]:
+        return [DaemonAddress(r.node_id, r.daemon, r.daemon_token) for r in self.config.replicas]
 
     # -- lifecycle -------------------------------------------------------------------------
     @contextlib.asynccontextmanager

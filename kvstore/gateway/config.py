@@ -22,6 +22,20 @@ skips ``[router]``); the router reads ``[router]``, its ``[router.namespace]`` a
 
     [routing]
     remote_fetch = false                 # the vLLM connector loads only what its own daemon holds
+
+One host without Redis: ``index = "daemons"``, and each replica names its daemon's gRPC
+address (and the daemon's server.auth_token, when it has one); the router asks those
+daemons, whose index is embedded, under ``daemon_timeout_s`` a call (index/daemons.py).
+Sessions then live in this router's memory: run one router replica in this mode::
+
+    [router]
+    index = "daemons"
+
+    [[router.replicas]]
+    url = "http://127.0.0.1:8001"
+    node_id = "gpu-0"
+    daemon = "127.0.0.1:50551"           # its kvstore daemon's server.grpc_port
+    daemon_token = ""                    # its server.auth_token, if set
 """
 
 from __future__ import annotations
@@ -37,9 +51,18 @@ from kvstore.engines_config import namespace_from
 from kvstore.index.base import MAX_CHAIN_BLOCKS
 from kvstore.namespace import Namespace
 
-__all__ = ["ReplicaChanges", "ReplicaConfig", "RouterConfig", "load_router_config", "namespace_from", "replica_changes"]
+__all__ = [
+    "DAEMONS_INDEX",
+    "ReplicaChanges",
+    "ReplicaConfig",
+    "RouterConfig",
+    "load_router_config",
+    "namespace_from",
+    "replica_changes",
+]
 
 _ROLES = ("both", "prefill", "decode")
+DAEMONS_INDEX = "daemons"  # router.index for one host: ask each replica's daemon
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +70,8 @@ class ReplicaConfig:
     url: str
     node_id: str
     role: str = "both"
+    daemon: str = ""  # host:port of its daemon's gRPC API (router.index = "daemons")
+    daemon_token: str = ""  # that daemon's server.auth_token, when it has one
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
@@ -55,13 +80,26 @@ class ReplicaConfig:
             raise ConfigError(f"router.replicas: replica {self.url} needs the node_id of its kvstore daemon.")
         if self.role not in _ROLES:
             raise ConfigError(f"router.replicas: role must be one of {', '.join(_ROLES)}, got {self.role!r}.")
+        if self.daemon:
+            _check_address(self.daemon, self.node_id)
+        elif self.daemon_token:
+            raise ConfigError(f"router.replicas: replica {self.node_id} has a daemon_token but no daemon address to send it to.")
+
+
+def _check_address(address: str, node_id: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() or c == "/" for c in host):
+        raise ConfigError(
+            f"router.replicas: replica {node_id}'s daemon must be the host:port of its daemon's gRPC API "
+            f'(server.grpc_port), e.g. "127.0.0.1:50551", got {address!r}.'
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     replicas: tuple[ReplicaConfig, ...]
     namespace: Namespace
-    index: str  # redis://… (a fleet's index, shared by every router replica)
+    index: str  # redis://… (a fleet's index, shared by every router replica), or "daemons" (one host)
     host: str = "127.0.0.1"
     port: int = 8000
     session_header: str = "x-session-id"
@@ -76,6 +114,7 @@ class RouterConfig:
     tenant_cache_interval_s: float = 15.0  # how often the cache bytes per tenant are measured
     tenant_cache_chains: int = 64  # per tenant label: the last this many distinct chains count
     tenant_cache_blocks: int = 32_768  # per tenant label: at most this many blocks of them (16 bytes each)
+    daemon_timeout_s: float = 0.5  # index "daemons": a daemon that has not answered by then holds nothing
     routing: RoutingConfig = RoutingConfig(remote_fetch=False)
 
     def __post_init__(self) -> None:
@@ -84,10 +123,25 @@ class RouterConfig:
         for what, values in (("url", [r.url for r in self.replicas]), ("node_id", [r.node_id for r in self.replicas])):
             if len(set(values)) != len(values):
                 raise ConfigError(f"router.replicas: each replica's {what} must be unique.")
-        if not self.index.startswith(("redis://", "rediss://", "redis+cluster://")):
+        if self.index == DAEMONS_INDEX:
+            missing = [r.node_id for r in self.replicas if not r.daemon]
+            if missing:
+                raise ConfigError(
+                    f'router.index = "daemons" asks each replica\'s daemon, but replica {", ".join(missing)} names none: '
+                    'give it daemon = "HOST:PORT" (its daemon\'s server.grpc_port).'
+                )
+        elif not self.index.startswith(("redis://", "rediss://", "redis+cluster://")):
             raise ConfigError(
-                f"router.index must be the redis:// URL the replicas' daemons publish to (index.backend), got {self.index!r}."
+                "router.index must be the redis:// URL the replicas' daemons publish to (index.backend), "
+                f'or "daemons" on one host whose daemons keep an embedded index; got {self.index!r}.'
             )
+        else:
+            named = [r.node_id for r in self.replicas if r.daemon]
+            if named:
+                raise ConfigError(
+                    f'router.replicas: replica {", ".join(named)} names a daemon, which only router.index = "daemons" asks; '
+                    'with a redis:// index the daemons publish there: drop daemon, or set index = "daemons".'
+                )
         if not 0 <= self.port < 65536:
             raise ConfigError(f"router.port must lie in [0, 65536), got {self.port}.")
         for name in (
@@ -100,7 +154,7 @@ class RouterConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"router.{name} must be positive, got {getattr(self, name)}.")
-        for name in ("connect_timeout_s", "first_byte_timeout_s", "health_interval_s", "tenant_cache_interval_s"):
+        for name in ("connect_timeout_s", "first_byte_timeout_s", "health_interval_s", "tenant_cache_interval_s", "daemon_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"router.{name} must be a positive number of seconds, got {getattr(self, name)}.")
         if self.tenant_cache_blocks > MAX_CHAIN_BLOCKS:
@@ -168,7 +222,7 @@ def load_router_config(
     try:
         found = [ReplicaConfig(**{k: str(v) for k, v in r.items()}) for r in listed]
     except TypeError as exc:
-        raise ConfigError(f"router.replicas: {exc}; a replica has url, node_id and optionally role.") from exc
+        raise ConfigError(f"router.replicas: {exc}; a replica has url, node_id and optionally role, daemon and daemon_token.") from exc
     settings["replicas"] = (*found, *replicas)
     settings["namespace"] = namespace_from(section.get("namespace", {}))
     settings["routing"] = _routing(document.get("routing", {}))

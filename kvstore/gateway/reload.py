@@ -42,6 +42,9 @@ class ConfigReload:
         running = ", ".join(r.node_id for r in current.replicas)
         try:
             new = self._load()
+            # the running settings (its index among them) judge the new list: a one-host
+            # router needs each replica's daemon even if the file now names a redis:// index
+            adopted = dataclasses.replace(current, replicas=new.replicas)
         except KVStoreError as exc:
             self._metrics.reloaded(applied=False)
             logger.warning("kvstore router: configuration reload refused, the replica list stays %s: %s", running, exc)
@@ -50,4 +53,4 @@ class ConfigReload:
         self._replicas.adopt(new.replicas)
         self._metrics.reloaded(applied=True)
         logger.info("kvstore router: configuration reloaded: %s.", changes.describe())
-        return dataclasses.replace(current, replicas=new.replicas)
+        return adopted

@@ -1,0 +1,50 @@
+"""A small engine replica for the router's tests that need no engine: an HTTP server
+answering /health, /v1/models and /v1/completions (whose text names the replica), as
+the router asks a vLLM OpenAI server. Run as ``python tests/http_replica.py NAME MODEL``;
+it prints the port it listens on, then serves until killed."""
+
+from __future__ import annotations
+
+import json
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def serve(name: str, model: str) -> None:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                self._answer(200, {})
+            elif self.path == "/v1/models":
+                self._answer(200, {"object": "list", "data": [{"id": model, "object": "model"}]})
+            else:
+                self._answer(404, {"error": {"message": f"{self.path} is not served here"}})
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+            if self.path != "/v1/completions":
+                self._answer(404, {"error": {"message": f"{self.path} is not served here"}})
+                return
+            prompt = body.get("prompt")
+            num_tokens = len(prompt) if isinstance(prompt, list) else 0
+            usage = {"prompt_tokens": num_tokens, "completion_tokens": 1, "total_tokens": num_tokens + 1}
+            self._answer(200, {"object": "text_completion", "model": model, "choices": [{"index": 0, "text": name}], "usage": usage})
+
+        def _answer(self, status: int, document: dict) -> None:
+            content = json.dumps(document).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(content)))
+            self.end_headers()
+            self.wfile.write(content)
+
+        def log_message(self, *_args) -> None:  # the router's health checks would fill the log
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    print(server.server_address[1], flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], sys.argv[2])

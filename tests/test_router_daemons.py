@@ -1,0 +1,263 @@
+"""The router on one host without Redis (router.index = "daemons"): its index asks real
+daemons, each with its embedded index, over their gRPC API (index/daemons.py). A real ZMQ
+publisher speaking vLLM's wire format stands in for an engine's KV events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+from daemon_harness import daemons, eventually
+from test_engine_subscriptions import BLOCK, NAMESPACE_TOML, NS, engines_file  # the engines' namespace: the router's too
+from vllm_kv_events import batch, publishing, stored
+
+from kvstore.api.client import connect
+from kvstore.api.v1 import kvstore_pb2 as pb
+from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.config import RoutingConfig
+from kvstore.hashing import chain_hashes
+from kvstore.index.daemons import MAX_ASKED_BLOCKS, RETRY_AFTER_S, DaemonAddress, DaemonsIndex
+from kvstore.index.scoring import Candidate
+from kvstore.index.sessions import EmbeddedSessionStore
+from kvstore.router import Router
+from kvstore.tier_kind import TierKind
+
+PROMPT = list(range(500, 500 + 6 * BLOCK))
+KEYS = chain_hashes(PROMPT, BLOCK)
+GPU, HOST = TierKind.GPU, TierKind.HOST
+
+
+def register(client) -> bytes:
+    layout = pb.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=BLOCK, dtype="bfloat16", kv_planes=2, inner_order="HND")
+    registered = client.store.RegisterNamespace(pb.RegisterNamespaceRequest(model_id="/models/tiny", layout=layout, tp_size=1))
+    assert registered.namespace_id == NS.digest
+    return registered.namespace_id
+
+
+def unused_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_the_router_asks_each_daemon_for_its_prefix_and_a_silent_daemon_holds_nothing(tmp_path, caplog):
+    async def main():
+        with publishing() as publisher, daemons(tmp_path) as start:
+            config = engines_file(tmp_path, publisher.endpoint)
+            a = start(node_id="gpu-a", token="tok-a", config=config)
+            b = start(node_id="gpu-b")
+            with connect(a.address, token="tok-a") as client:
+                ns = register(client)
+                payloads = [os.urandom(NS.block_bytes) for _ in KEYS[:4]]
+                assert client.store.Put(pb.PutRequest(namespace_id=ns, block_hashes=KEYS[:4], payloads=payloads)).num_stored == 4
+
+                def counters() -> dict:
+                    return dict(client.admin.Stats(pb.StatsRequest()).counters)
+
+                await publisher.handshake(lambda: counters().get("engine_vllm_messages", 0) > 0, timeout_s=20)
+                await publisher.send(batch([stored([11, 12], None, PROMPT[: 2 * BLOCK], BLOCK)]))
+
+            listed = [DaemonAddress("gpu-a", a.address, "tok-a"), DaemonAddress("gpu-b", b.address)]
+            index = DaemonsIndex(lambda: listed, timeout_s=1.0)
+            try:
+
+                async def matched() -> dict:
+                    return {m.node_id: m.tiers for m in await index.match(ns, KEYS)}
+
+                deadline = time.monotonic() + 10
+                while len(await matched()) < 2 and time.monotonic() < deadline:  # the daemon indexes asynchronously
+                    await asyncio.sleep(0.1)
+                assert await matched() == {"gpu-a": (HOST,) * 4, "vllm@gpu-a": (GPU,) * 2}
+                assert await index.match(ns, KEYS, ["gpu-b"]) == []  # b has never seen the namespace: NOT_FOUND
+                assert "did not answer" not in caplog.text  # which is an answer, not a silence
+                longest = KEYS + [os.urandom(16) for _ in range(MAX_ASKED_BLOCKS)]  # longer than a daemon takes
+                assert [(m.node_id, m.num_blocks) for m in await index.match(ns, longest, ["gpu-a"])] == [("gpu-a", 4)]
+                kinds = {n.node_id: n.kind for n in await index.nodes()}
+                assert kinds == {"gpu-a": "kvstore", "vllm@gpu-a": "engine", "gpu-b": "kvstore"}
+
+                # the router's code is unchanged: the engine's GPU blocks lead gpu-a's match
+                router = Router(None, index, EmbeddedSessionStore(), RoutingConfig(remote_fetch=False))
+                candidates = [Candidate("gpu-a", queued_tokens=0), Candidate("gpu-b", queued_tokens=0)]
+                decision = await router.route_chain(ns, KEYS, len(PROMPT), BLOCK, NS.block_bytes, "s1", candidates)
+                assert (decision.node_id, decision.expected_cached_tokens) == ("gpu-a", 4 * BLOCK)
+                assert (await router.sessions.get("s1")).node_id == "gpu-a"
+
+                # a wrong token, a daemon that hangs and an address nobody listens on: misses, within the deadline
+                listed[0] = DaemonAddress("gpu-a", a.address, "wrong")
+                listed.append(DaemonAddress("gpu-c", f"127.0.0.1:{unused_port()}"))
+                b.process.send_signal(signal.SIGSTOP)
+                try:
+                    started = time.monotonic()
+                    assert await index.match(ns, KEYS) == []
+                    assert 1.0 <= time.monotonic() - started < 1.5  # the hung daemon's 1 s deadline, once
+                    assert "the daemon of gpu-b at" in caplog.text and "the daemon of gpu-c at" in caplog.text
+                    started = time.monotonic()  # within RETRY_AFTER_S the hung daemon is not waited for again
+                    assert await index.nodes() == []
+                    decision = await router.route_chain(ns, KEYS, len(PROMPT), BLOCK, NS.block_bytes, "s2", candidates)
+                    assert decision.expected_cached_tokens == 0 and time.monotonic() - started < 0.5
+                finally:
+                    b.process.send_signal(signal.SIGCONT)
+                await asyncio.sleep(RETRY_AFTER_S)
+                assert [n.node_id for n in await index.nodes()] == ["gpu-b"]  # asked again, and answers
+                listed[0] = DaemonAddress("gpu-a", a.address, "tok-a")
+                assert await matched() == {"gpu-a": (HOST,) * 4, "vllm@gpu-a": (GPU,) * 2}  # back once it answers
+            finally:
+                await index.close()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=90))
+
+
+ROUTER_TOML = """
+[router]
+port = {port}
+index = "daemons"
+health_interval_s = 0.5
+daemon_timeout_s = 0.5
+{namespace}
+[[router.replicas]]
+url = "{url_a}"
+node_id = "replica-a"
+daemon = "{daemon_a}"
+daemon_token = "tok-a"
+
+[[router.replicas]]
+url = "{url_b}"
+node_id = "replica-b"
+daemon = "{daemon_b}"
+
+[routing]
+remote_fetch = false
+"""
+
+
+@contextlib.contextmanager
+def started(command: list[str], log: Path) -> Iterator[subprocess.Popen]:
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=out, text=True)
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+
+
+def test_the_router_sends_each_prompt_to_the_replica_whose_daemon_holds_it_and_survives_a_dead_daemon(tmp_path):
+    prompt_a, prompt_b = list(range(2000, 2000 + 6 * BLOCK)), list(range(3000, 3000 + 6 * BLOCK))
+    keys_a, keys_b = chain_hashes(prompt_a, BLOCK), chain_hashes(prompt_b, BLOCK)
+    replica = [sys.executable, str(Path(__file__).parent / "http_replica.py")]
+    with (
+        daemons(tmp_path) as start,
+        started([*replica, "replica-a", "tiny"], tmp_path / "replica-a.log") as engine_a,
+        started([*replica, "replica-b", "tiny"], tmp_path / "replica-b.log") as engine_b,
+    ):
+        a, b = start(node_id="replica-a", token="tok-a"), start(node_id="replica-b")
+        for daemon, token, keys, num_blocks in ((a, "tok-a", keys_a, 5), (b, "", keys_b, 4)):
+            with connect(daemon.address, token=token or None) as client:
+                ns = register(client)
+                payloads = [os.urandom(NS.block_bytes) for _ in range(num_blocks)]
+                client.store.Put(pb.PutRequest(namespace_id=ns, block_hashes=keys[:num_blocks], payloads=payloads))
+                match = pb.MatchRequest(namespace_id=ns, block_hashes=pb.BlockHashes(hashes=keys))
+                assert eventually(lambda c=client, m=match, n=num_blocks: [x.matched_blocks for x in c.index.Match(m).nodes] == [n])
+        port = unused_port()
+        urls = {name: f"http://127.0.0.1:{engine.stdout.readline().strip()}" for name, engine in (("a", engine_a), ("b", engine_b))}
+        config = tmp_path / "router.toml"
+        config.write_text(
+            ROUTER_TOML.format(
+                namespace=NAMESPACE_TOML.replace("[engines.namespace]", "[router.namespace]"),
+                port=port,
+                url_a=urls["a"],
+                url_b=urls["b"],
+                daemon_a=a.address,
+                daemon_b=b.address,
+            )
+        )
+        router = f"http://127.0.0.1:{port}"
+        with started([sys.executable, "-m", "kvstore", "router", "--config", str(config)], tmp_path / "router.log"):
+
+            def healthy() -> bool:
+                with contextlib.suppress(httpx.HTTPError):
+                    return httpx.get(f"{router}/health", timeout=2).status_code == 200
+                return False
+
+            assert eventually(healthy, timeout_s=60), (tmp_path / "router.log").read_text()
+
+            def complete(prompt: list[int], session: str) -> httpx.Response:
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+                return httpx.post(f"{router}/v1/completions", json=body, headers={"x-session-id": session}, timeout=30)
+
+            for prompt, session, replica_id, cached in ((prompt_a, "s-a", "replica-a", 5), (prompt_b, "s-b", "replica-b", 4)):
+                answer = complete(prompt, session)
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["choices"][0]["text"] == replica_id
+                headers = answer.headers
+                assert (headers["x-kvstore-replica"], headers["x-kvstore-expected-cached-tokens"]) == (replica_id, str(cached * BLOCK))
+
+            b.stop(signal.SIGKILL)
+            started_at = time.monotonic()
+            answer = complete(prompt_b, "s-new")  # replica-b's daemon is gone: its blocks count as a miss, not an error
+            assert answer.status_code == 200 and answer.headers["x-kvstore-expected-cached-tokens"] == "0", answer.text
+            assert time.monotonic() - started_at < 5
+            answer = complete(prompt_a, "s-a2")  # replica-a's daemon still answers
+            assert (answer.headers["x-kvstore-replica"], answer.headers["x-kvstore-expected-cached-tokens"]) == (
+                "replica-a",
+                str(5 * BLOCK),
+            )
+        log = (tmp_path / "router.log").read_text()
+        assert "the daemon of replica-b" in log and "sessions live in this router's memory (one router replica" in log
+
+
+class _Answers(pb_grpc.IndexServicer):
+    """A gRPC Index service that answers what a test gives it (a daemon's answers that a
+    router must not believe)."""
+
+    def __init__(self, nodes: list[pb.NodeMatch]) -> None:
+        self.nodes = nodes
+
+    async def Match(self, request, context):
+        return pb.MatchResponse(nodes=self.nodes)
+
+    async def Nodes(self, request, context):
+        return pb.NodesResponse(nodes=[pb.NodeInfo(node_id=n.node_id, kind="kvstore") for n in self.nodes])
+
+
+def test_a_daemons_doubtful_answer_is_a_miss(caplog):
+    host = pb.TierCount(tier=pb.TIER_HOST, blocks=3)
+
+    async def main():
+        answers = _Answers([])
+        server = grpc.aio.server()
+        pb_grpc.add_IndexServicer_to_server(answers, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        index = DaemonsIndex(lambda: [DaemonAddress("gpu-a", f"127.0.0.1:{port}")], timeout_s=1.0)
+        try:
+            answers.nodes = [pb.NodeMatch(node_id="gpu-a", matched_blocks=3, tier_counts=[host])]
+            assert [(m.node_id, m.tiers) for m in await index.match(NS.digest, KEYS)] == [("gpu-a", (HOST,) * 3)]
+            doubtful = [
+                [pb.NodeMatch(node_id="gpu-z", matched_blocks=3, tier_counts=[host])],  # another node's blocks
+                [pb.NodeMatch(node_id="vllm@gpu-z", matched_blocks=3, tier_counts=[host])],  # another replica's engine
+                [pb.NodeMatch(node_id="gpu-a", matched_blocks=4, tier_counts=[host])],  # counts that do not add up
+                [pb.NodeMatch(node_id="gpu-a", matched_blocks=7, tier_counts=[pb.TierCount(tier=pb.TIER_HOST, blocks=7)])],  # > chain
+                [pb.NodeMatch(node_id="gpu-a", matched_blocks=3, tier_counts=[pb.TierCount(tier=99, blocks=3)])],  # unknown tier
+            ]
+            for nodes in doubtful:
+                answers.nodes = nodes
+                assert await index.match(NS.digest, KEYS) == [], nodes
+            answers.nodes = [*doubtful[0], *doubtful[1], *doubtful[2]]
+            assert [n.node_id for n in await index.nodes()] == ["gpu-a"]  # not another node, nor another replica's engine
+            assert "answered a doubtful match" in caplog.text
+        finally:
+            await index.close()
+            await server.stop(None)
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))

@@ -360,6 +360,7 @@ def test_a_producer_finishes_a_request_before_its_paused_decode_daemon_holds_it_
         os.kill(paused.process.pid, signal.SIGCONT)  # whatever the script got to
         dead.stop()
     lines = [json.loads(line) for line in script.stdout.splitlines() if line.startswith("{")]
+    (store.workdir / "paused-handoff.out").write_text("".join(json.dumps(line) + "\n" for line in lines))
     cases = [line for line in lines if "case" in line]
     assert script.returncode == 0 and len(cases) == 7 and all(case["ok"] for case in cases), lines
     assert "Traceback" not in log.read_text(), log.read_text()[-6000:]

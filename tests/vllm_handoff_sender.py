@@ -11,7 +11,9 @@ It prints "ok" after the last check; a failed check raises.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -65,8 +67,16 @@ class FakeClient:
         self.calls.append(("cancel", transfer_id))
 
 
-def sender_of(client: FakeClient, copies: CopyThread) -> HandoffSender:
-    return HandoffSender(client, b"digest", FakeCopier(client.slab), copies, timeout_s=5.0, tp_rank=0)
+@contextlib.contextmanager
+def sender_on(client: FakeClient) -> Iterator[HandoffSender]:
+    copies = CopyThread("test-copy")
+    sender = HandoffSender(client, b"digest", FakeCopier(client.slab), copies, timeout_s=5.0, tp_rank=0)
+    try:
+        yield sender
+    finally:
+        client.acknowledge.set()  # a check that failed leaves no finish waiting
+        sender.close()
+        copies.shutdown()
 
 
 SPEC = HandoffSpec("req-1", "pd-1", "decode", (b"h1", b"h2"), (0, 1))
@@ -80,9 +90,8 @@ def run_step(sender: HandoffSender, abandon: bool = False, layers: int = 2) -> N
 
 
 def test_the_step_returns_with_the_staging_slots_filled_before_the_decode_daemon_acknowledges():
-    client, copies = FakeClient(), CopyThread("test-copy")
-    sender = sender_of(client, copies)
-    try:
+    client = FakeClient()
+    with sender_on(client) as sender:
         run_step(sender)
         # every layer copied and announced inside the step; the acknowledgement is still awaited
         assert client.calls == [("send", "pd-1/rank0"), ("ready", "pd-1/rank0", 0), ("ready", "pd-1/rank0", 1)]
@@ -92,16 +101,11 @@ def test_the_step_returns_with_the_staging_slots_filled_before_the_decode_daemon
         sender.wait()
         assert client.calls[-1] == ("finished", "pd-1/rank0")
         assert sender.blocks_sent == 2 and sender.num_failures == 0
-    finally:
-        client.acknowledge.set()
-        sender.close()
-        copies.shutdown()
 
 
 def test_a_handoff_that_times_out_beside_the_steps_is_counted_and_the_next_step_hands_off_again():
-    client, copies = FakeClient(), CopyThread("test-copy")
-    sender = sender_of(client, copies)
-    try:
+    client = FakeClient()
+    with sender_on(client) as sender:
         client.finish_error = TransferFailed("handoff 'pd-1/rank0' to decode did not finish within 5.0s.")
         run_step(sender)  # raises nothing into vLLM
         sender.wait()
@@ -111,23 +115,16 @@ def test_a_handoff_that_times_out_beside_the_steps_is_counted_and_the_next_step_
         run_step(sender)
         sender.wait()
         assert sender.blocks_sent == 2 and sender.num_failures == 1
-    finally:
-        sender.close()
-        copies.shutdown()
 
 
 def test_a_step_whose_loads_failed_cancels_its_handoffs_instead_of_finishing_them():
-    client, copies = FakeClient(), CopyThread("test-copy")
-    sender = sender_of(client, copies)
-    try:
+    client = FakeClient()
+    with sender_on(client) as sender:
         run_step(sender, abandon=True)
         sender.wait()
         assert client.calls[-1] == ("cancel", "pd-1/rank0")
         assert ("finished", "pd-1/rank0") not in client.calls
         assert sender.num_failures == 1 and sender.blocks_sent == 0
-    finally:
-        sender.close()
-        copies.shutdown()
 
 
 if __name__ == "__main__":

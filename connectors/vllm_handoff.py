@@ -107,13 +107,17 @@ class HandoffSender:
     def finish_step(self, abandon: bool) -> None:
         """Wait for the step's copies (no engine block is read after this) and announce
         the remaining layers; queue every handoff of the step to be finished beside the
-        steps — or, with ``abandon`` (the step read KV that failed to load), cancelled."""
+        steps — or, with ``abandon`` (the step read KV that failed to load), cancelled.
+        An abandoned handoff's last layer is never announced (its copy is announced only
+        here), so the decode daemon never holds all of it, however late the cancel comes."""
         if self._step is None:
             return
+        if abandon:
+            for outgoing in self._step.handoffs:
+                if not outgoing.failed:
+                    self._mark_failed(outgoing, "this step's KV is not trusted")
         self._announce_copied(wait=True)
         for outgoing in self._step.handoffs:
-            if abandon and not outgoing.failed:
-                self._mark_failed(outgoing, "this step's KV is not trusted")
             settle = self._cancel if outgoing.failed else self._finish
             self._finishing.append(self._finisher.submit(settle, outgoing))
         self._finishing = [future for future in self._finishing if not future.done()]

@@ -344,14 +344,14 @@ def test_a_producer_finishes_a_request_before_its_paused_decode_daemon_holds_it_
         "dead": {"destination": dead.transport_address, "pid": dead.process.pid},
     }
     plan_path, log = store.workdir / "paused-handoff.json", store.workdir / "paused-handoff.log"
+    checks = store.workdir / "paused-handoff.jsonl"
     plan_path.write_text(json.dumps(plan))
     try:
-        with open(log, "w") as errors:
+        with open(log, "w") as output:
             script = subprocess.run(
-                [str(VLLM_PYTHON), str(PAUSED_HANDOFF), str(plan_path)],
-                stdout=subprocess.PIPE,
-                stderr=errors,
-                text=True,
+                [str(VLLM_PYTHON), str(PAUSED_HANDOFF), str(plan_path), str(checks)],
+                stdout=output,
+                stderr=subprocess.STDOUT,
                 timeout=600,
                 cwd=Path(__file__).resolve().parents[1],
                 env={**os.environ, **ENGINE_ENV},
@@ -359,10 +359,9 @@ def test_a_producer_finishes_a_request_before_its_paused_decode_daemon_holds_it_
     finally:
         os.kill(paused.process.pid, signal.SIGCONT)  # whatever the script got to
         dead.stop()
-    lines = [json.loads(line) for line in script.stdout.splitlines() if line.startswith("{")]
-    (store.workdir / "paused-handoff.out").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    lines = [json.loads(line) for line in checks.read_text().splitlines()]
     cases = [line for line in lines if "case" in line]
-    assert script.returncode == 0 and len(cases) == 7 and all(case["ok"] for case in cases), lines
+    assert script.returncode == 0 and len(cases) == 7 and all(case["ok"] for case in cases), (lines, log.read_text()[-6000:])
     assert "Traceback" not in log.read_text(), log.read_text()[-6000:]
     consumer = store.connector(paused, "kv_consumer", handoff_timeout_s=30)
     decoded = store.serve("instance-decode-paused", [U], consumer, transfer=[lines[-1]["kv_transfer_params"]])

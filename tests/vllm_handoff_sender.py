@@ -117,10 +117,13 @@ def test_a_handoff_that_times_out_beside_the_steps_is_counted_and_the_next_step_
         assert sender.blocks_sent == 2 and sender.num_failures == 1
 
 
-def test_a_step_whose_loads_failed_cancels_its_handoffs_instead_of_finishing_them():
+def test_a_step_whose_loads_failed_never_announces_its_last_layer_and_cancels_its_handoffs():
     client = FakeClient()
     with sender_on(client) as sender:
         run_step(sender, abandon=True)
+        # the decode daemon never holds every layer, so the decode instance never loads this KV,
+        # however late the cancel comes (it waits behind the handoffs finishing before it)
+        assert ("ready", "pd-1/rank0", 1) not in client.calls
         sender.wait()
         assert client.calls[-1] == ("cancel", "pd-1/rank0")
         assert ("finished", "pd-1/rank0") not in client.calls
@@ -130,5 +133,5 @@ def test_a_step_whose_loads_failed_cancels_its_handoffs_instead_of_finishing_the
 if __name__ == "__main__":
     test_the_step_returns_with_the_staging_slots_filled_before_the_decode_daemon_acknowledges()
     test_a_handoff_that_times_out_beside_the_steps_is_counted_and_the_next_step_hands_off_again()
-    test_a_step_whose_loads_failed_cancels_its_handoffs_instead_of_finishing_them()
+    test_a_step_whose_loads_failed_never_announces_its_last_layer_and_cancels_its_handoffs()
     print("ok")

@@ -1,7 +1,7 @@
 """A real vLLM PD producer (in this process) whose decode daemons stop answering mid-
 handoff; run in the vLLM venv by tests/test_vllm_e2e.py:
 
-    .venv-vllm/bin/python tests/vllm_paused_handoff.py PLAN.json
+    .venv-vllm/bin/python tests/vllm_paused_handoff.py PLAN.json CHECKS.jsonl
 
 The plan names two decode daemons, each as {"destination", "pid"}; right after the
 producer opens a handoff to one of them, the script stops it:
@@ -12,9 +12,9 @@ producer opens a handoff to one of them, the script stops it:
    once, the handoff fails beside the steps (counted, not raised) and the engine serves
    on.
 
-Each check prints one JSON line {"case", "ok", ...}; the last line is
-{"kv_transfer_params": ...} of the paused request, for the decode instance; the exit
-status is 0 when all checks pass.
+Each check writes one JSON line {"case", "ok", ...} to CHECKS.jsonl (not to stdout,
+where vLLM's own lines go); the last line is {"kv_transfer_params": ...} of the paused
+request, for the decode instance; the exit status is 0 when all checks pass.
 """
 
 from __future__ import annotations
@@ -30,12 +30,18 @@ from vllm.distributed.kv_transfer import get_kv_transfer_group
 from bench.vllm_engine import serve, start_engine
 
 plan = json.loads(open(sys.argv[1]).read())
+checks = open(sys.argv[2], "w")
 results: list[dict] = []
+
+
+def write(line: dict) -> None:
+    checks.write(json.dumps(line) + "\n")
+    checks.flush()
 
 
 def check(case: str, ok: bool, **detail) -> None:
     results.append({"case": case, "ok": bool(ok), **detail})
-    print(json.dumps(results[-1]), flush=True)
+    write(results[-1])
 
 
 def process_state(pid: int) -> str:
@@ -98,5 +104,5 @@ check(
     worker.counters.handoff_failures == 1 and worker.counters.handoff_blocks_sent == num_blocks,
     wait_s=worker.counters.handoff_wait_s,
 )
-print(json.dumps({"kv_transfer_params": sent["kv_transfer_params"]}), flush=True)
+write({"kv_transfer_params": sent["kv_transfer_params"]})
 sys.exit(0 if all(result["ok"] for result in results) else 1)

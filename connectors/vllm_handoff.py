@@ -4,10 +4,13 @@ Producer (prefill instance): in the step that completes a prompt, the step's fir
 ``save_layer`` opens a handoff of the prompt's full blocks to the decode daemon; each
 layer is copied from vLLM's cache into the handoff's staging slots on the copy thread as
 soon as the forward pass wrote it, and announced (``handoff_layers_ready``) once its
-copy is done, so the daemon streams layer i while the engine computes layer i+1. At the
-end of the step ``handoff_finish`` waits for the tail of the transfer; the blocks then
-stay cached on the prefill node too. The engine's blocks can be freed as soon as the
-step ends: the bytes are in kvstore's slots by then.
+copy is done, so the daemon streams layer i while the engine computes layer i+1. The
+step's end waits for the step's copies only: the engine's blocks can be freed as soon as
+the step ends, the bytes are in the handoff's staging slots by then, which the daemon
+owns until the handoff closes. The tail of the transfer is waited for beside the steps,
+on the sender's thread (``handoff_finish``, up to ``handoff_timeout_s``; the blocks then
+stay cached on the prefill node too); a failure or a timeout there is logged and counted,
+and the decode instance, whose daemon never gets the whole handoff, recomputes.
 
 Loads beside the steps (``HandoffReceiver``, for both kinds of asynchronous load): a
 request whose hit reads a slow tier (NVMe) is leased on a background thread — the daemon
@@ -25,7 +28,11 @@ With tensor parallelism every rank hands off its own KV heads under its own name
 as its own handoff: the daemons see ``TRANSFER_ID/rankN``.
 
 Owners: ``HandoffSender`` — vLLM's worker thread (its copies run on the worker's copy
-thread); ``HandoffReceiver`` — its methods on the worker thread, its transfers on its
+thread; its thread only finishes or cancels the handoffs queued to it, and is the only
+writer of ``blocks_sent`` and ``failures_beside_steps``). Its client is its own (a
+handoff belongs to the session that opened it), so a handoff waiting for its decode
+daemon holds up the worker's loads and saves nowhere; the next handoff's opening waits
+behind it, as calls on one connection do. ``HandoffReceiver`` — its methods on the worker thread, its transfers on its
 own thread, which alone uses its client.
 """
 
@@ -34,6 +41,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -80,8 +88,11 @@ class HandoffSender:
         self._copies = copies
         self._timeout_s = timeout_s
         self._step: _StepSends | None = None
+        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-handoff-send")
+        self._finishing: list[Future[None]] = []  # handoffs queued to the finisher, in step order
         self.blocks_sent = 0
-        self.failures = 0
+        self.failures = 0  # on the worker thread
+        self.failures_beside_steps = 0  # on the finisher: refused, failed or timed out at the end
 
     def layer_written(self, specs: Sequence[HandoffSpec], cache: torch.Tensor, layer: int) -> None:
         """The forward pass wrote ``layer``: announce earlier layers whose copies are done,
@@ -94,20 +105,36 @@ class HandoffSender:
             self._step.copies.append((layer, self._copies.submit_save(self._copier.save, cache, layer, runs)))
 
     def finish_step(self, abandon: bool) -> None:
-        """Announce the remaining layers and wait for every handoff of the step to land —
-        or, with ``abandon`` (the step read KV that failed to load), cancel them all.
-        Cancelling waits for the step's copies: a cancelled handoff's slots are freed."""
+        """Wait for the step's copies (no engine block is read after this) and announce
+        the remaining layers; queue every handoff of the step to be finished beside the
+        steps — or, with ``abandon`` (the step read KV that failed to load), cancelled.
+        An abandoned handoff's last layer is never announced (its copy is announced only
+        here), so the decode daemon never holds all of it, however late the cancel comes."""
         if self._step is None:
             return
+        if abandon:
+            for outgoing in self._step.handoffs:
+                if not outgoing.failed:
+                    self._mark_failed(outgoing, "this step's KV is not trusted")
         self._announce_copied(wait=True)
         for outgoing in self._step.handoffs:
-            if abandon and not outgoing.failed:
-                self._mark_failed(outgoing, "this step's KV is not trusted")
-            if outgoing.failed:
-                self._cancel(outgoing)
-            else:
-                self._finish(outgoing)
+            settle = self._cancel if outgoing.failed else self._finish
+            self._finishing.append(self._finisher.submit(settle, outgoing))
+        self._finishing = [future for future in self._finishing if not future.done()]
         self._step = None
+
+    @property
+    def num_failures(self) -> int:
+        return self.failures + self.failures_beside_steps
+
+    def wait(self) -> None:
+        """Return once every handoff queued so far is finished or cancelled."""
+        wait_futures(self._finishing)
+        self._finishing = []
+
+    def close(self) -> None:
+        """Finish the handoffs still queued (each within the timeout), then stop."""
+        self._finisher.shutdown(wait=True)
 
     def _open(self, spec: HandoffSpec) -> _Outgoing | None:
         spec = replace(spec, transfer_id=rank_transfer_id(spec.transfer_id, self._tp_rank))
@@ -141,8 +168,9 @@ class HandoffSender:
         spec = outgoing.spec
         try:
             stored = self._client.handoff_finish(spec.transfer_id, timeout_s=self._timeout_s)
-        except KVStoreError as exc:  # the daemon closed the handoff
-            self._mark_failed(outgoing, exc)
+        except (KVStoreError, OSError) as exc:  # the handoff failed or timed out: the daemon closed it
+            self.failures_beside_steps += 1
+            self._log_failed(outgoing, exc)
             return
         self.blocks_sent += len(spec.hashes)
         logger.info(
@@ -157,6 +185,9 @@ class HandoffSender:
     def _mark_failed(self, outgoing: _Outgoing, error: object) -> None:
         outgoing.failed = True
         self.failures += 1
+        self._log_failed(outgoing, error)
+
+    def _log_failed(self, outgoing: _Outgoing, error: object) -> None:
         logger.warning(
             "kvstore: handoff %r of request %s failed, the decode instance will recompute: %s",
             outgoing.spec.transfer_id,

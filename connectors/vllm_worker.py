@@ -28,8 +28,10 @@ failing step and in the next, which async scheduling may have planned before vLL
 the recompute, planned after the rollback, saves those blocks right.
 
 Prefill/decode handoffs (``vllm_handoff``): the sender's layer copies share the copy
-thread and its handoffs are cancelled in a step whose loads failed; the receiver runs
-on its own thread and reports through ``finished_receiving``.
+thread and its handoffs are cancelled in a step whose loads failed; a step waits for its
+copies only, the decode daemon's acknowledgement is waited for on the sender's thread,
+with the sender's own client; the receiver runs on its own thread and reports through
+``finished_receiving``.
 
 Owner: vLLM's worker thread calls every method; the copy thread only runs the copies
 queued here and touches nothing else; the commit thread only runs the commits queued
@@ -92,6 +94,7 @@ class WorkerCounters:
     saved_blocks: int = 0
     aborted_saves: int = 0
     save_wait_s: float = 0.0  # how long the steps waited for their saves (copies and commits)
+    handoff_wait_s: float = 0.0  # how long the steps waited for their handoffs (copies, not the decode daemon)
     handoff_blocks_sent: int = 0
     handoff_blocks_received: int = 0
     handoff_failures: int = 0
@@ -112,6 +115,7 @@ class WorkerSide:
         self._device: torch.device | None = None  # the caches' CUDA device
         self._saves_blocks = True  # False on the MLA ranks that only read (register decides)
         self._sender: HandoffSender | None = None  # PD producer
+        self._sender_client: KVStoreClient | None = None  # the sender's session: its handoffs finish beside the steps
         self._receiver: HandoffReceiver | None = None  # loads beside the steps: PD consumer, slow tiers
         self._loaded_beside_steps = 0  # of the receiver's blocks_loaded, those counted already
         self._deferred = DeferredSaves() if settings.defer_saves else None
@@ -173,7 +177,11 @@ class WorkerSide:
             self._device = self._caches[0].device
             self._copies = CudaCopies(self._device)
         timeout = self._settings.handoff_timeout_s
-        self._sender = HandoffSender(self._client, self._digest, self._copier, self._copies, timeout, tp_rank)
+        self._sender_client = KVStoreClient(
+            self._settings.socket_path, timeout_s=self._settings.daemon_timeout_s, require_daemon=False, pin_for_gpu=on_gpu
+        )
+        sender_digest = self._sender_client.ensure_namespace(namespace)
+        self._sender = HandoffSender(self._sender_client, sender_digest, self._copier, self._copies, timeout, tp_rank)
         self._receiver = HandoffReceiver(self._settings.socket_path, namespace, self._copier, self._caches, timeout, tp_rank)
         logger.info("kvstore: worker registered %d layers, namespace %s, daemon node %s", len(ordered), namespace.id, self._client.node_id)
 
@@ -265,9 +273,10 @@ class WorkerSide:
             untrusted = bool(self._failed_this_step) or any(
                 block in self._failed_recently for spec in metadata.handoffs for block in spec.block_ids
             )
+            began = time.perf_counter()
             self._sender.finish_step(abandon=untrusted)
-            self.counters.handoff_blocks_sent = self._sender.blocks_sent
-            self.counters.handoff_failures = self._sender.failures + self._receiver.failures
+            self.counters.handoff_wait_s += time.perf_counter() - began
+            self._count_handoffs()
         # decided now, on every rank alike: the failed loads are agreed
         all_layers = len(self._saved_layers) == len(self._caches)
         saves = [
@@ -314,6 +323,13 @@ class WorkerSide:
         """Return once every save queued so far has ended (its counters are final)."""
         if self._deferred is not None:
             self._deferred.wait()
+        if self._sender is not None:
+            self._sender.wait()
+            self._count_handoffs()
+
+    def _count_handoffs(self) -> None:
+        self.counters.handoff_blocks_sent = self._sender.blocks_sent
+        self.counters.handoff_failures = self._sender.num_failures + self._receiver.failures
 
     def _agree_on_failed_loads(self, metadata: KVStoreConnectorMetadata) -> None:
         """Every rank's first failed block of every load, the lowest of them all: the
@@ -344,6 +360,9 @@ class WorkerSide:
         self._copies.shutdown()
         if self._deferred is not None:
             self._deferred.close()  # its commits use the client
+        if self._sender is not None:
+            self._sender.close()  # its handoffs finish on its client
+            self._sender_client.close()
         if self._receiver is not None:
             self._receiver.close()
         if self._client is not None:

@@ -14,7 +14,9 @@ must get those prefixes from kvstore alone:
 3. prefill/decode disaggregation: a producer instance prefills and hands the KV, layer
    by layer, to the decode instance's daemon (a second daemon, over TCP); the consumer
    instance decodes with it the tokens a single instance decodes. A handoff that never
-   comes is recomputed;
+   comes is recomputed. The producer's steps do not wait for the decode daemon: a request
+   finishes while its decode daemon is stopped, and one whose decode daemon died frees
+   its blocks at once and fails beside the steps;
 4. a daemon restarted (and killed) under vLLM's OpenAI API server that keeps receiving
    requests fails none of them; hits resume once it is back, from NVMe;
 5. saves end after their step (``defer_saves``): a finished request keeps its blocks
@@ -59,6 +61,7 @@ FULL_HIT = (PROMPT_TOKENS - 1) // BLOCK * BLOCK  # 992
 MAX_TOKENS = 16
 REFERENCE = Path(__file__).with_name("vllm_kv_reference.py")
 DEFERRED_SAVES = Path(__file__).with_name("vllm_deferred_saves.py")
+PAUSED_HANDOFF = Path(__file__).with_name("vllm_paused_handoff.py")
 
 
 def random_prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
@@ -323,6 +326,48 @@ def test_a_prefill_instance_hands_the_kv_to_a_decode_instance_layer_by_layer(sto
         with KVStoreClient(daemon.socket) as client:
             digest = client.register_namespace(store.namespace())
             assert client.lookup(digest, chain_hashes(U, BLOCK)).num_blocks == PROMPT_TOKENS // BLOCK
+
+
+def test_a_producer_finishes_a_request_before_its_paused_decode_daemon_holds_it_and_outlives_a_dead_one(store, baseline):
+    """tests/vllm_paused_handoff.py stops one decode daemon (SIGSTOP) and kills another
+    right after the producer opens a handoff to each; the decode instance then loads the
+    paused one's handoff, every block of it, and decodes what a single instance decodes."""
+    patient = {"transport.handoff_timeout_s": "300"}
+    prefill_daemon, paused, dead = (store.start_daemon(extra=patient) for _ in range(3))
+    plan = {
+        "model": str(store.model),
+        "block_size": BLOCK,
+        "max_model_len": 4096,
+        "connector": store.connector(prefill_daemon, "kv_producer", handoff_timeout_s=10),
+        "prompts": [U, random_prompt(51), random_prompt(52, 200)],
+        "paused": {"destination": paused.transport_address, "pid": paused.process.pid},
+        "dead": {"destination": dead.transport_address, "pid": dead.process.pid},
+    }
+    plan_path, log = store.workdir / "paused-handoff.json", store.workdir / "paused-handoff.log"
+    checks = store.workdir / "paused-handoff.jsonl"
+    plan_path.write_text(json.dumps(plan))
+    try:
+        with open(log, "w") as output:
+            script = subprocess.run(
+                [str(VLLM_PYTHON), str(PAUSED_HANDOFF), str(plan_path), str(checks)],
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                timeout=600,
+                cwd=Path(__file__).resolve().parents[1],
+                env={**os.environ, **ENGINE_ENV},
+            )
+    finally:
+        os.kill(paused.process.pid, signal.SIGCONT)  # whatever the script got to
+        dead.stop()
+    lines = [json.loads(line) for line in checks.read_text().splitlines()]
+    cases = [line for line in lines if "case" in line]
+    assert script.returncode == 0 and len(cases) == 7 and all(case["ok"] for case in cases), (lines, log.read_text()[-6000:])
+    assert "Traceback" not in log.read_text(), log.read_text()[-6000:]
+    consumer = store.connector(paused, "kv_consumer", handoff_timeout_s=30)
+    decoded = store.serve("instance-decode-paused", [U], consumer, transfer=[lines[-1]["kv_transfer_params"]])
+    assert decoded["results"][0]["tokens"] == baseline["U"]
+    counters = decoded["connector"]
+    assert counters["handoff_blocks_received"] == PROMPT_TOKENS // BLOCK and counters["failed_blocks"] == 0
 
 
 def test_a_finished_request_keeps_its_blocks_until_its_save_is_over_and_a_later_engine_loads_it(store):

@@ -182,7 +182,11 @@ def test_instance_a_saves_every_full_block_as_the_reference_model_computes_it(st
 
 
 def test_a_fresh_instance_gets_the_prefix_from_kvstore_and_decodes_the_same_tokens(store, baseline):
-    b = store.serve("instance-b", [P, P_SHARED, T])
+    # it asks vLLM for the block-outermost layout, which the CPU backend cannot take: vLLM
+    # keeps LBHNC, the connector says so and copies it as it is
+    b = store.serve("instance-b", [P, P_SHARED, T], connector=store.connector(kv_cache_layout="BLHNC"))
+    log = (store.workdir / "instance-b.log").read_text()
+    assert "kv_cache_layout asked vLLM for BLHNC; the attention backend does not support it and runs LBHNC" in log, log[-4000:]
     full, partial, whole_blocks = b["results"]
     # prefix caching is off: every cached token came from kvstore
     assert full["num_cached_tokens"] == FULL_HIT

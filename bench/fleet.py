@@ -53,11 +53,12 @@ from pathlib import Path
 import httpx
 import xxhash
 
-from bench.fleet_sim import FleetSetup, SentRequest, copy_bytes_per_s, fleet_setup, predict
+from bench.fleet_sim import FleetSetup, SentRequest, copy_bytes_per_s, engine_layout, fleet_setup, predict
 from bench.redis_server import RedisServer, find_redis_server
 from bench.report import Report, parse_args
 from bench.router_fleet import BLOCK, MAX_MODEL_LEN, Replica, start_in_parallel, start_router, start_servers
 from bench.vllm_engine import ENGINE_ENV, build_model
+from kvstore.layout import KVLayout
 from kvstore.spawn import spawn_daemon
 
 MiB = 1024**2
@@ -200,19 +201,18 @@ def decisions_of(exposition: str) -> dict[str, float]:
     return decisions
 
 
-def capacity_bytes(model_config: dict, shape: Shape, num_replicas: int, share: float) -> int:
+def capacity_bytes(layout: KVLayout, shape: Shape, num_replicas: int, share: float) -> int:
     """A daemon's host tier: HOST_CAPACITY_BYTES (room for every block of the run) when
     ``share`` is 0, else ``share`` × its replica's part of the workload's distinct tokens —
     the shared prefix plus every session's own context at its last turn, over the
-    replicas — in bf16 K and V of every layer. Below ``num_replicas`` × that part, a
+    replicas — in the engines' KV ``layout``. Below ``num_replicas`` × that part, a
     policy that spreads each session over every replica cannot keep them all, which is
     the regime of a fleet whose agents' contexts outgrow its cache."""
-    if share <= 0:
+    if share == 0:
         return HOST_CAPACITY_BYTES
     own = shape.context_tokens + shape.turns * (shape.user_tokens + shape.answer_tokens)
     distinct = shape.shared_tokens + shape.sessions * own
-    token_bytes = model_config["num_hidden_layers"] * 2 * model_config["num_key_value_heads"] * model_config["head_dim"] * 2
-    return int(share * distinct / num_replicas * token_bytes)
+    return int(share * distinct / num_replicas * layout.bytes_per_token)
 
 
 def calibrate(model: str, replicas: list[Replica], shape: Shape) -> dict:
@@ -295,6 +295,8 @@ def main() -> None:
         )
 
     args = parse_args(__doc__.splitlines()[0], extra)
+    if args.cache_share < 0:
+        raise SystemExit(f"--cache-share must be 0 (room for everything) or a positive multiple, got {args.cache_share}.")
     shape = Shape(
         sessions=args.sessions or (4 if args.quick else 8),
         turns=args.turns or (3 if args.quick else 6),
@@ -312,7 +314,8 @@ def main() -> None:
     daemons, replicas, router = [], [], None
     try:
         model = build_model(workdir / "model", args.size)
-        host_capacity_bytes = capacity_bytes(json.loads((model / "config.json").read_text()), shape, args.replicas, args.cache_share)
+        model_config = json.loads((model / "config.json").read_text())
+        host_capacity_bytes = capacity_bytes(engine_layout(model_config, BLOCK), shape, args.replicas, args.cache_share)
         print(f"each daemon's host tier: {host_capacity_bytes / MiB:,.1f} MiB")
         for i in range(args.replicas):
             node_dir = workdir / f"node-{i}"
@@ -338,7 +341,7 @@ def main() -> None:
             f"a decode step {routing['decode_s_per_request'] * 1000:.0f} ms, a host copy {host_bytes_per_s / 1e9:.1f} GB/s"
         )
         setup = fleet_setup(
-            json.loads((model / "config.json").read_text()),
+            model_config,
             str(model),
             [r.node_id for r in replicas],
             BLOCK,

@@ -136,6 +136,19 @@ def llama_layer_params(config: dict) -> float:
     return float(config["num_hidden_layers"] * (attention + mlp))
 
 
+def engine_layout(model_config: dict, block_size: int) -> KVLayout:
+    """The KV layout the engines of a bench.fleet run cache: the model's config.json (a
+    Llama served in bf16), K and V of every layer."""
+    return KVLayout(
+        model_config["num_hidden_layers"],
+        model_config["num_key_value_heads"],
+        model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"],
+        block_size,
+        "bfloat16",
+        2,
+    )
+
+
 def fleet_setup(
     model_config: dict,
     model_id: str,
@@ -151,14 +164,7 @@ def fleet_setup(
     the fleet's configuration, and ``measured`` — ``prefill_tokens_per_s``,
     ``decode_s_per_request`` (a decode step, as bench.fleet's `calibrate` measures them)
     and ``host_bytes_per_s``."""
-    layout = KVLayout(
-        model_config["num_hidden_layers"],
-        model_config["num_key_value_heads"],
-        model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"],
-        block_size,
-        "bfloat16",
-        2,
-    )
+    layout = engine_layout(model_config, block_size)
     return FleetSetup(
         replica_ids=tuple(replica_ids),
         model_id=model_id,

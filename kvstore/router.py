@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from kvstore.config import RoutingConfig
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import BlockHash
-from kvstore.index.base import Index, NodeMatch, SessionStore
+from kvstore.index.base import Index, NodeMatch, SessionAffinity, SessionStore
 from kvstore.index.scoring import AffinityPolicy, Candidate, CostModel, RouteDecision, replica_of, route, with_engine_caches
 from kvstore.node import Node
 
-__all__ = ["Router", "cost_model_for"]
+__all__ = ["Lookup", "Router", "cost_model_for"]
 
 MAX_CANDIDATES = 4096
 
@@ -36,6 +36,14 @@ def cost_model_for(config: RoutingConfig) -> CostModel:
         decode_s_per_request=config.decode_s_per_request,
         remote_fetch=config.remote_fetch,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """The index's answer for one prompt: each replica's match, and the session's affinity."""
+
+    matches: dict[str, NodeMatch]
+    affinity: SessionAffinity | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,18 +95,44 @@ class Router:
         note: str = "",
     ) -> RouteDecision:
         """`route` for a caller that hashed the prompt itself (the HTTP router knows the
-        engines' namespace without a daemon of its own registering it). A ``note`` (why
-        the request is routed again, say) leads the decision's reason, as recorded with
-        the session's move. A candidate's engines' GPU caches count as the candidate's
-        (index/scoring.with_engine_caches)."""
-        matches = await self._matches(namespace, hashes, [c.node_id for c in candidates]) if hashes else {}
+        engines' namespace without a daemon of its own registering it): `look_up`, `decide`
+        and `remember` in one."""
+        lookup = await self.look_up(namespace, hashes, [c.node_id for c in candidates], session_id)
+        decision = self.decide(lookup, candidates, num_tokens, block_size, block_bytes, session_id, note)
+        await self.remember(session_id, decision)
+        return decision
+
+    async def look_up(self, namespace: bytes, hashes: Sequence[BlockHash], replica_ids: Sequence[str], session_id: str) -> Lookup:
+        """What a decision needs from the index: which of ``replica_ids`` hold how much of
+        the chain (their engines' GPU caches counted as theirs: index/scoring.with_engine_caches),
+        and the session's affinity."""
+        matches = await self._matches(namespace, hashes, list(replica_ids)) if hashes else {}
         affinity = await self.sessions.get(session_id) if session_id else None
-        decision = route(candidates, matches, num_tokens, block_size, block_bytes, self.model, affinity, self.policy, session_id)
-        if note:
-            decision = dataclasses.replace(decision, reason=f"{note}; {decision.reason}")
+        return Lookup(matches, affinity)
+
+    def decide(
+        self,
+        lookup: Lookup,
+        candidates: Sequence[Candidate],
+        num_tokens: int,
+        block_size: int,
+        block_bytes: int,
+        session_id: str,
+        note: str = "",
+    ) -> RouteDecision:
+        """The choice among ``candidates`` given what the index said. Synchronous, so a
+        caller that tracks load reads the candidates' load after the index's answer and
+        adds the chosen request to it before anything else can decide: concurrent
+        requests then each see the ones placed before them. A ``note`` (why the request is
+        routed again, say) leads the decision's reason, as recorded with the session's move."""
+        affinity = lookup.affinity
+        decision = route(candidates, lookup.matches, num_tokens, block_size, block_bytes, self.model, affinity, self.policy, session_id)
+        return dataclasses.replace(decision, reason=f"{note}; {decision.reason}") if note else decision
+
+    async def remember(self, session_id: str, decision: RouteDecision) -> None:
+        """The session sticks to the decision's node, in the index backend (router replicas agree)."""
         if session_id:
             await self.sessions.put(session_id, decision.node_id, self.config.session_ttl_s, decision.moved_from, decision.reason)
-        return decision
 
     async def _matches(self, namespace: bytes, hashes: Sequence[BlockHash], replica_ids: list[str]) -> dict[str, NodeMatch]:
         wanted = set(replica_ids)

@@ -1,16 +1,23 @@
 """A small engine replica for the router's tests that need no engine: an HTTP server
 answering /health, /v1/models and /v1/completions (whose text names the replica), as
-the router asks a vLLM OpenAI server. Run as ``python tests/http_replica.py NAME MODEL``;
-it prints the port it listens on, then serves until killed."""
+the router asks a vLLM OpenAI server. Run as ``python tests/http_replica.py NAME MODEL [GATE]``;
+it prints the port it listens on, then serves until killed.
+
+A streamed completion (``"stream": true``) is answered as vLLM answers one: the headers
+at once, then the first token's event only once the prompt is computed — here, once the
+file GATE exists (at once without one), which a test creates when the "prefill" should
+end — then the usage and ``[DONE]``."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 
-def serve(name: str, model: str) -> None:
+def serve(name: str, model: str, gate: Path | None = None) -> None:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path == "/health":
@@ -28,6 +35,9 @@ def serve(name: str, model: str) -> None:
             prompt = body.get("prompt")
             num_tokens = len(prompt) if isinstance(prompt, list) else 0
             usage = {"prompt_tokens": num_tokens, "completion_tokens": 1, "total_tokens": num_tokens + 1}
+            if body.get("stream") is True:
+                self._stream(name, usage)
+                return
             self._answer(200, {"object": "text_completion", "model": model, "choices": [{"index": 0, "text": name}], "usage": usage})
 
         def _answer(self, status: int, document: dict) -> None:
@@ -38,6 +48,20 @@ def serve(name: str, model: str) -> None:
             self.end_headers()
             self.wfile.write(content)
 
+        def _stream(self, text: str, usage: dict) -> None:
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.end_headers()
+            self.wfile.flush()
+            deadline = time.monotonic() + 60
+            while gate is not None and not gate.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            token = {"object": "text_completion", "model": model, "choices": [{"index": 0, "text": text}]}
+            for event in (token, {"object": "text_completion", "model": model, "choices": [], "usage": usage}):
+                self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+
         def log_message(self, *_args) -> None:  # the router's health checks would fill the log
             pass
 
@@ -47,4 +71,4 @@ def serve(name: str, model: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], sys.argv[2])
+    serve(sys.argv[1], sys.argv[2], Path(sys.argv[3]) if len(sys.argv) > 3 else None)

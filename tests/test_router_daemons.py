@@ -5,6 +5,7 @@ publisher speaking vLLM's wire format stands in for an engine's KV events."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -27,7 +28,7 @@ from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.config import RoutingConfig
 from kvstore.hashing import chain_hashes
 from kvstore.index.daemons import MAX_ASKED_BLOCKS, RETRY_AFTER_S, DaemonAddress, DaemonsIndex
-from kvstore.index.scoring import Candidate
+from kvstore.index.scoring import Candidate, _rendezvous_rank
 from kvstore.index.sessions import EmbeddedSessionStore
 from kvstore.router import Router
 from kvstore.tier_kind import TierKind
@@ -151,6 +152,35 @@ def started(command: list[str], log: Path) -> Iterator[subprocess.Popen]:
         process.wait(timeout=10)
 
 
+@contextlib.contextmanager
+def router_in_front(tmp_path: Path, engines: tuple[subprocess.Popen, subprocess.Popen], nodes, routing: str = "") -> Iterator[str]:
+    """`kvstore router` (ROUTER_TOML, its [routing] section extended by ``routing``) in
+    front of the two http_replica ``engines`` beside the daemons ``nodes``; yields its url
+    once it is healthy."""
+    port = unused_port()
+    urls = [f"http://127.0.0.1:{engine.stdout.readline().strip()}" for engine in engines]
+    config = tmp_path / "router.toml"
+    namespace = NAMESPACE_TOML.replace("[engines.namespace]", "[router.namespace]")
+    daemon_a, daemon_b = (node.address for node in nodes)
+    text = ROUTER_TOML.format(namespace=namespace, port=port, url_a=urls[0], url_b=urls[1], daemon_a=daemon_a, daemon_b=daemon_b)
+    config.write_text(text + routing)
+    router = f"http://127.0.0.1:{port}"
+    with started([sys.executable, "-m", "kvstore", "router", "--config", str(config)], tmp_path / "router.log"):
+
+        def healthy() -> bool:
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(f"{router}/health", timeout=2).status_code == 200
+            return False
+
+        assert eventually(healthy, timeout_s=60), (tmp_path / "router.log").read_text()
+        yield router
+
+
+def complete(router: str, prompt: list[int], session: str) -> httpx.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+    return httpx.post(f"{router}/v1/completions", json=body, headers={"x-session-id": session}, timeout=30)
+
+
 def test_the_router_sends_each_prompt_to_the_replica_whose_daemon_holds_it_and_survives_a_dead_daemon(tmp_path):
     prompt_a, prompt_b = list(range(2000, 2000 + 6 * BLOCK)), list(range(3000, 3000 + 6 * BLOCK))
     keys_a, keys_b = chain_hashes(prompt_a, BLOCK), chain_hashes(prompt_b, BLOCK)
@@ -168,35 +198,9 @@ def test_the_router_sends_each_prompt_to_the_replica_whose_daemon_holds_it_and_s
                 client.store.Put(pb.PutRequest(namespace_id=ns, block_hashes=keys[:num_blocks], payloads=payloads))
                 match = pb.MatchRequest(namespace_id=ns, block_hashes=pb.BlockHashes(hashes=keys))
                 assert eventually(lambda c=client, m=match, n=num_blocks: [x.matched_blocks for x in c.index.Match(m).nodes] == [n])
-        port = unused_port()
-        urls = {name: f"http://127.0.0.1:{engine.stdout.readline().strip()}" for name, engine in (("a", engine_a), ("b", engine_b))}
-        config = tmp_path / "router.toml"
-        config.write_text(
-            ROUTER_TOML.format(
-                namespace=NAMESPACE_TOML.replace("[engines.namespace]", "[router.namespace]"),
-                port=port,
-                url_a=urls["a"],
-                url_b=urls["b"],
-                daemon_a=a.address,
-                daemon_b=b.address,
-            )
-        )
-        router = f"http://127.0.0.1:{port}"
-        with started([sys.executable, "-m", "kvstore", "router", "--config", str(config)], tmp_path / "router.log"):
-
-            def healthy() -> bool:
-                with contextlib.suppress(httpx.HTTPError):
-                    return httpx.get(f"{router}/health", timeout=2).status_code == 200
-                return False
-
-            assert eventually(healthy, timeout_s=60), (tmp_path / "router.log").read_text()
-
-            def complete(prompt: list[int], session: str) -> httpx.Response:
-                body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
-                return httpx.post(f"{router}/v1/completions", json=body, headers={"x-session-id": session}, timeout=30)
-
+        with router_in_front(tmp_path, (engine_a, engine_b), (a, b)) as router:
             for prompt, session, replica_id, cached in ((prompt_a, "s-a", "replica-a", 5), (prompt_b, "s-b", "replica-b", 4)):
-                answer = complete(prompt, session)
+                answer = complete(router, prompt, session)
                 assert answer.status_code == 200, answer.text
                 assert answer.json()["choices"][0]["text"] == replica_id
                 headers = answer.headers
@@ -204,16 +208,87 @@ def test_the_router_sends_each_prompt_to_the_replica_whose_daemon_holds_it_and_s
 
             b.stop(signal.SIGKILL)
             started_at = time.monotonic()
-            answer = complete(prompt_b, "s-new")  # replica-b's daemon is gone: its blocks count as a miss, not an error
+            answer = complete(router, prompt_b, "s-new")  # replica-b's daemon is gone: its blocks count as a miss, not an error
             assert answer.status_code == 200 and answer.headers["x-kvstore-expected-cached-tokens"] == "0", answer.text
             assert time.monotonic() - started_at < 5
-            answer = complete(prompt_a, "s-a2")  # replica-a's daemon still answers
+            answer = complete(router, prompt_a, "s-a2")  # replica-a's daemon still answers
             assert (answer.headers["x-kvstore-replica"], answer.headers["x-kvstore-expected-cached-tokens"]) == (
                 "replica-a",
                 str(5 * BLOCK),
             )
         log = (tmp_path / "router.log").read_text()
         assert "the daemon of replica-b" in log and "sessions live in this router's memory (one router replica" in log
+
+
+def test_a_streamed_request_is_queued_prefill_on_its_replica_until_its_first_token(tmp_path):
+    """vLLM answers a streamed request's headers at once and its first token only once the
+    prompt is computed. Until that token the router counts the prompt's uncached tokens in
+    its replica's queue: a new session sharing the prefix the busy replica holds goes to
+    the idle one; after it, to the holder again."""
+    shared = list(range(4000, 4000 + 4 * BLOCK))
+    long_prompt = shared + list(range(5000, 5000 + 40 * BLOCK))  # 640 uncached tokens on replica-a: 0.64 s at 1,000/s
+    short_prompts = [shared + list(range(6000 + 100 * i, 6000 + 100 * i + 2 * BLOCK)) for i in range(2)]
+    gate = tmp_path / "prefilled"
+    replica = [sys.executable, str(Path(__file__).parent / "http_replica.py")]
+    with (
+        daemons(tmp_path) as start,
+        started([*replica, "replica-a", "tiny", str(gate)], tmp_path / "replica-a.log") as engine_a,
+        started([*replica, "replica-b", "tiny"], tmp_path / "replica-b.log") as engine_b,
+    ):
+        a, b = start(node_id="replica-a", token="tok-a"), start(node_id="replica-b")
+        with connect(a.address, token="tok-a") as client:
+            ns = register(client)
+            keys = chain_hashes(shared, BLOCK)
+            client.store.Put(pb.PutRequest(namespace_id=ns, block_hashes=keys, payloads=[os.urandom(NS.block_bytes) for _ in keys]))
+            match = pb.MatchRequest(namespace_id=ns, block_hashes=pb.BlockHashes(hashes=keys))
+            assert eventually(lambda: [x.matched_blocks for x in client.index.Match(match).nodes] == [4])
+        routing = "prefill_tokens_per_s = 1000\ndecode_s_per_request = 0.01\n"
+        with router_in_front(tmp_path, (engine_a, engine_b), (a, b), routing) as router:
+            body = {"model": "tiny", "prompt": long_prompt, "max_tokens": 1, "stream": True}
+            with httpx.stream("POST", f"{router}/v1/completions", json=body, headers={"x-session-id": "long"}, timeout=30) as streamed:
+                assert streamed.headers["x-kvstore-replica"] == "replica-a"  # it holds the shared prefix
+                answer = complete(router, short_prompts[0], "short-1")  # replica-a is still computing the long prompt
+                assert answer.status_code == 200 and answer.headers["x-kvstore-replica"] == "replica-b", answer.headers
+                gate.touch()
+                events = streamed.read().decode()
+            assert '"text": "replica-a"' in events and events.rstrip().endswith("data: [DONE]")
+            answer = complete(router, short_prompts[1], "short-2")  # its prefill is done: the prefix's holder again
+            assert answer.status_code == 200 and answer.headers["x-kvstore-replica"] == "replica-a", answer.headers
+
+
+def test_concurrent_new_sessions_each_see_the_load_the_ones_before_them_placed(tmp_path):
+    """Eight new sessions at once, on two idle replicas that hold none of their prompts,
+    with session ids whose rendezvous order prefers replica-a: each decision must count
+    the prompts placed while it waited for the index, so they split four and four
+    instead of all going where a stale, empty load and the hash would send them."""
+    ids = [f"burst-{i}" for i in range(200)]
+    preferring_a = [i for i in ids if _rendezvous_rank(i, "replica-a") < _rendezvous_rank(i, "replica-b")][:8]
+    gate = tmp_path / "prefilled"
+    replica = [sys.executable, str(Path(__file__).parent / "http_replica.py")]
+    with (
+        daemons(tmp_path) as start,
+        started([*replica, "replica-a", "tiny", str(gate)], tmp_path / "replica-a.log") as engine_a,
+        started([*replica, "replica-b", "tiny", str(gate)], tmp_path / "replica-b.log") as engine_b,
+    ):
+        nodes = start(node_id="replica-a", token="tok-a"), start(node_id="replica-b")
+        with router_in_front(tmp_path, (engine_a, engine_b), nodes, "prefill_tokens_per_s = 1000\n") as router:
+
+            def session(i: int) -> str:
+                prompt = list(range(7000 + 1000 * i, 7000 + 1000 * i + 8 * BLOCK))
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "stream": True}
+                headers = {"x-session-id": preferring_a[i]}
+                with httpx.stream("POST", f"{router}/v1/completions", json=body, headers=headers, timeout=30) as answer:
+                    assert answer.status_code == 200
+                    events = answer.read().decode()
+                    assert events.rstrip().endswith("data: [DONE]")
+                    return answer.headers["x-kvstore-replica"]
+
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                placed = [pool.submit(session, i) for i in range(8)]
+                time.sleep(1.0)  # every request is in: each prompt is being "computed" until the gate opens
+                gate.touch()
+                where = [future.result() for future in placed]
+            assert sorted(where) == ["replica-a"] * 4 + ["replica-b"] * 4, where
 
 
 class _Answers(pb_grpc.IndexServicer):

@@ -88,13 +88,21 @@ def openai_error(status: int, message: str, kind: str = "invalid_request_error",
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code or status}}, status_code=status)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Routed:
     replica: Replica
     decision: RouteDecision
     upstream: httpx.Response
     started: float
     prefill_node_id: str = ""  # prefill/decode disaggregation: where the prompt was computed
+    prefilling_tokens: int | None = None  # a streamed answer's uncached prompt tokens, in the queue until its first chunk
+
+    def prefilled(self) -> None:
+        """The replica has computed the prompt: its tokens leave the replica's queue (once)."""
+        if self.prefilling_tokens is not None:
+            self.replica.num_prefilling -= 1
+            self.replica.queued_tokens -= self.prefilling_tokens
+            self.prefilling_tokens = None
 
 
 class _NoReplica(Exception):
@@ -210,7 +218,7 @@ class Gateway:
             if self.replicas.disaggregated():
                 routed = await self._disaggregated(path, payload, headers, token_ids, hashes, session_id, tenant, unkeyed)
             else:
-                routed = await self._send(path, body, headers, token_ids, hashes, session_id, model=model, unkeyed=unkeyed)
+                routed = await self._send(path, body, headers, token_ids, hashes, session_id, model=model, unkeyed=unkeyed, streamed=stream)
         except _NoReplica as exc:
             self.metrics.requests.labels("none", "503").inc()
             return openai_error(503, str(exc), "service_unavailable")
@@ -330,30 +338,44 @@ class Gateway:
         excluded: set[str] | None = None,
         model: str | None = None,
         unkeyed: str = "",
+        streamed: bool = False,
     ) -> _Routed:
+        """Route and send the request, retrying elsewhere on a failure before its answer
+        starts. Its uncached tokens are in the replica's queue until the engine answers —
+        for a ``streamed`` request, until its first chunk (`_relay`): vLLM sends a stream's
+        headers at once and its first token once the prompt is computed."""
         ns = self.config.namespace
         excluded = set() if excluded is None else excluded
         failures: list[str] = []
         for _attempt in range(self.config.max_attempts):
-            members = dict(self.replicas.replicas)  # a reload while the decision awaits the index must not lose its replica
-            candidates = self.replicas.candidates(excluded, roles, model)
+            asked = [c.node_id for c in self.replicas.candidates(excluded, roles, model)]
+            if not asked:
+                break
+            lookup = await self.router.look_up(ns.digest, hashes, asked, session_id)
+            # the load as it is now, after the index's answer: from here to the increments
+            # below nothing awaits, so a concurrent request decides with this one counted
+            members = dict(self.replicas.replicas)  # and a reload while a request is sent must not lose its replica
+            candidates = [c for c in self.replicas.candidates(excluded, roles, model) if c.node_id in asked]
             if not candidates:
                 break
             notes = [f"retry after {'; '.join(failures)}" if failures else "", f"unkeyed: {unkeyed}" if unkeyed else ""]
             note = "; ".join(n for n in notes if n)
-            decision = await self.router.route_chain(
-                ns.digest, hashes, len(token_ids), ns.block_size, ns.block_bytes, session_id, candidates, note=note
-            )
-            kind = _reason_kind(decision.reason)
-            self.metrics.decisions.labels(kind).inc()
-            if decision.moved_from is not None:
-                self.metrics.session_moves.labels(kind).inc()
+            decision = self.router.decide(lookup, candidates, len(token_ids), ns.block_size, ns.block_bytes, session_id, note)
             replica = members[decision.node_id]
             uncached = max(len(token_ids) - decision.expected_cached_tokens, 0)
             replica.in_flight += 1
             replica.num_prefilling += 1
             replica.queued_tokens += uncached
             self.replicas.publish_load(replica)
+            kind = _reason_kind(decision.reason)
+            self.metrics.decisions.labels(kind).inc()
+            if decision.moved_from is not None:
+                self.metrics.session_moves.labels(kind).inc()
+            try:
+                await self.router.remember(session_id, decision)
+            except BaseException:
+                self._release(replica, uncached)
+                raise
             started = time.monotonic()
             try:
                 upstream = await self.client.send(
@@ -375,9 +397,9 @@ class Gateway:
                 failures.append(f"{replica.node_id}: HTTP {upstream.status_code}")
                 self.metrics.retries.labels(replica.node_id, "http_5xx").inc()
                 continue
-            routed = _Routed(replica, decision, upstream, started)
-            routed.replica.num_prefilling -= 1
-            routed.replica.queued_tokens -= uncached
+            routed = _Routed(replica, decision, upstream, started, prefilling_tokens=uncached)
+            if not (streamed and upstream.status_code == 200):
+                routed.prefilled()
             return routed
         tried = "; ".join(failures) if failures else "none is healthy"
         raise _NoReplica(f"No engine replica could serve the request ({tried}); retry shortly.")
@@ -441,6 +463,7 @@ class Gateway:
         self.replicas.publish_load(replica)
 
     def _finish(self, routed: _Routed) -> None:
+        routed.prefilled()  # a stream that ended before its first chunk
         routed.replica.in_flight -= 1
         self.replicas.publish_load(routed.replica)
 
@@ -452,6 +475,7 @@ class Gateway:
             async for chunk in routed.upstream.aiter_raw():
                 if first:
                     self.metrics.ttft.labels(routed.replica.node_id, "true").observe(time.monotonic() - routed.started)
+                    routed.prefilled()
                     first = False
                 tail = (tail + chunk)[-_USAGE_TAIL_BYTES:]
                 yield chunk

@@ -1,12 +1,14 @@
 """A small engine replica for the router's tests that need no engine: an HTTP server
 answering /health, /v1/models and /v1/completions (whose text names the replica), as
-the router asks a vLLM OpenAI server. Run as ``python tests/http_replica.py NAME MODEL [GATE]``;
-it prints the port it listens on, then serves until killed.
+the router asks a vLLM OpenAI server. Run as
+``python tests/http_replica.py NAME MODEL [GATE [HEADERS_GATE]]``; it prints the port it
+listens on, then serves until killed.
 
 A streamed completion (``"stream": true``) is answered as vLLM answers one: the headers
 at once, then the first token's event only once the prompt is computed — here, once the
 file GATE exists (at once without one), which a test creates when the "prefill" should
-end — then the usage and ``[DONE]``."""
+end — then the usage and ``[DONE]``. With HEADERS_GATE, even the headers wait for that
+file (an engine slow to answer at all)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 
-def serve(name: str, model: str, gate: Path | None = None) -> None:
+def serve(name: str, model: str, gate: Path | None = None, headers_gate: Path | None = None) -> None:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path == "/health":
@@ -49,13 +51,12 @@ def serve(name: str, model: str, gate: Path | None = None) -> None:
             self.wfile.write(content)
 
         def _stream(self, text: str, usage: dict) -> None:
+            _wait_for(headers_gate)
             self.send_response(200)
             self.send_header("content-type", "text/event-stream")
             self.end_headers()
             self.wfile.flush()
-            deadline = time.monotonic() + 60
-            while gate is not None and not gate.exists() and time.monotonic() < deadline:
-                time.sleep(0.01)
+            _wait_for(gate)
             token = {"object": "text_completion", "model": model, "choices": [{"index": 0, "text": text}]}
             for event in (token, {"object": "text_completion", "model": model, "choices": [], "usage": usage}):
                 self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
@@ -65,10 +66,16 @@ def serve(name: str, model: str, gate: Path | None = None) -> None:
         def log_message(self, *_args) -> None:  # the router's health checks would fill the log
             pass
 
+    def _wait_for(path: Path | None) -> None:
+        deadline = time.monotonic() + 60
+        while path is not None and not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     print(server.server_address[1], flush=True)
     server.serve_forever()
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], sys.argv[2], Path(sys.argv[3]) if len(sys.argv) > 3 else None)
+    gates = [Path(argument) for argument in sys.argv[3:5]]
+    serve(sys.argv[1], sys.argv[2], *gates)

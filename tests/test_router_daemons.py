@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -289,6 +290,47 @@ def test_concurrent_new_sessions_each_see_the_load_the_ones_before_them_placed(t
                 gate.touch()
                 where = [future.result() for future in placed]
             assert sorted(where) == ["replica-a"] * 4 + ["replica-b"] * 4, where
+
+
+def router_load(router: str) -> tuple[float, float]:
+    """The router's requests in flight and queued prefill tokens, over all replicas (/metrics)."""
+    totals = {"kvstore_router_in_flight{": 0.0, "kvstore_router_queued_prefill_tokens{": 0.0}
+    for line in httpx.get(f"{router}/metrics", timeout=5).text.splitlines():
+        for name in totals:
+            if line.startswith(name):
+                totals[name] += float(line.rsplit(" ", 1)[1])
+    return tuple(totals.values())
+
+
+def test_a_client_that_goes_away_before_its_answer_leaves_no_load_behind(tmp_path):
+    """One client hangs up while the engine has not even sent its headers, another after
+    the headers and before the first token. Once the engines answer, neither request is in
+    flight or queued any more: a replica's load is what it is computing, never a phantom
+    that would keep routing away from it."""
+    gate, headers_gate = tmp_path / "prefilled", tmp_path / "answering"
+    replica = [sys.executable, str(Path(__file__).parent / "http_replica.py")]
+    with (
+        daemons(tmp_path) as start,
+        started([*replica, "replica-a", "tiny", str(gate), str(headers_gate)], tmp_path / "replica-a.log") as engine_a,
+        started([*replica, "replica-b", "tiny", str(gate), str(headers_gate)], tmp_path / "replica-b.log") as engine_b,
+    ):
+        nodes = start(node_id="replica-a", token="tok-a"), start(node_id="replica-b")
+        with router_in_front(tmp_path, (engine_a, engine_b), nodes) as router:
+            prompt = list(range(9000, 9000 + 8 * BLOCK))
+            body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1, "stream": True}).encode()
+            port = int(router.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port)) as hung_up:
+                head = f"POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+                hung_up.sendall(head.encode() + b"x-session-id: gone-1\r\n\r\n" + body)
+                assert eventually(lambda: router_load(router) == (1, len(prompt)))  # sent, waiting for the headers
+            headers_gate.touch()  # the engine answers a client that is gone
+            with httpx.stream("POST", f"{router}/v1/completions", content=body, headers={"x-session-id": "gone-2"}, timeout=30) as left:
+                assert left.status_code == 200  # the headers, and no token yet: the client leaves here
+            gate.touch()
+            assert eventually(lambda: router_load(router) == (0, 0)), router_load(router)
+            answer = complete(router, prompt, "after")
+            assert answer.status_code == 200
+            assert router_load(router) == (0, 0)
 
 
 class _Answers(pb_grpc.IndexServicer):

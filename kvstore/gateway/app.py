@@ -97,12 +97,15 @@ class _Routed:
     prefill_node_id: str = ""  # prefill/decode disaggregation: where the prompt was computed
     prefilling_tokens: int | None = None  # a streamed answer's uncached prompt tokens, in the queue until its first chunk
 
-    def prefilled(self) -> None:
-        """The replica has computed the prompt: its tokens leave the replica's queue (once)."""
-        if self.prefilling_tokens is not None:
-            self.replica.num_prefilling -= 1
-            self.replica.queued_tokens -= self.prefilling_tokens
-            self.prefilling_tokens = None
+    def prefilled(self) -> bool:
+        """The replica has computed the prompt: its tokens leave the replica's queue (once;
+        True the time they do)."""
+        if self.prefilling_tokens is None:
+            return False
+        self.replica.num_prefilling -= 1
+        self.replica.queued_tokens -= self.prefilling_tokens
+        self.prefilling_tokens = None
+        return True
 
 
 class _NoReplica(Exception):
@@ -399,7 +402,7 @@ class Gateway:
                 continue
             routed = _Routed(replica, decision, upstream, started, prefilling_tokens=uncached)
             if not (streamed and upstream.status_code == 200):
-                routed.prefilled()
+                self._prefilled(routed)
             return routed
         tried = "; ".join(failures) if failures else "none is healthy"
         raise _NoReplica(f"No engine replica could serve the request ({tried}); retry shortly.")
@@ -462,6 +465,10 @@ class Gateway:
         replica.queued_tokens -= uncached
         self.replicas.publish_load(replica)
 
+    def _prefilled(self, routed: _Routed) -> None:
+        if routed.prefilled():
+            self.replicas.publish_load(routed.replica)
+
     def _finish(self, routed: _Routed) -> None:
         routed.prefilled()  # a stream that ended before its first chunk
         routed.replica.in_flight -= 1
@@ -475,7 +482,7 @@ class Gateway:
             async for chunk in routed.upstream.aiter_raw():
                 if first:
                     self.metrics.ttft.labels(routed.replica.node_id, "true").observe(time.monotonic() - routed.started)
-                    routed.prefilled()
+                    self._prefilled(routed)
                     first = False
                 tail = (tail + chunk)[-_USAGE_TAIL_BYTES:]
                 yield chunk

@@ -92,6 +92,12 @@ class RouterMetrics:
             registry=r,
         )
         self.in_flight = Gauge("kvstore_router_in_flight", "Requests in flight per replica", ["replica"], registry=r)
+        self.queued_tokens = Gauge(
+            "kvstore_router_queued_prefill_tokens",
+            "Uncached prompt tokens of the requests a replica is still computing (its queue, as routing prices it)",
+            ["replica"],
+            registry=r,
+        )
         self.healthy = Gauge("kvstore_router_replica_healthy", "1 while the replica passes health checks", ["replica"], registry=r)
         self.tenant_prompt_tokens = Counter("kvstore_router_tenant_prompt_tokens", "Prompt tokens per tenant", ["tenant"], registry=r)
         self.tenant_prefill_tokens = Counter(
@@ -132,6 +138,7 @@ class RouterMetrics:
     def add_replica(self, replica_id: str) -> None:
         """The replica's series exist from when it joins (out of rotation until checked)."""
         self.in_flight.labels(replica_id).set(0)
+        self.queued_tokens.labels(replica_id).set(0)
         self.healthy.labels(replica_id).set(0)
         self.hit_rate.labels(replica_id).set(0)
         self._prompt_by_replica.setdefault(replica_id, 0)
@@ -140,7 +147,7 @@ class RouterMetrics:
 
     def remove_replica(self, replica_id: str) -> None:
         """A replica that left: its gauges go; its counters and histograms keep their history."""
-        for gauge in (self.in_flight, self.healthy, self.hit_rate):
+        for gauge in (self.in_flight, self.queued_tokens, self.healthy, self.hit_rate):
             gauge.remove(replica_id)
         self._prompt_by_replica.pop(replica_id, None)
         self._cached_by_replica.pop(replica_id, None)

@@ -122,6 +122,7 @@ class ReplicaSet:
     def publish_load(self, replica: Replica) -> None:
         if self.serves(replica):
             self.metrics.in_flight.labels(replica.node_id).set(replica.in_flight)
+            self.metrics.queued_tokens.labels(replica.node_id).set(replica.queued_tokens)
 
     def candidates(
         self, excluded: set[str], roles: tuple[str, ...] = ("both", "prefill", "decode"), model: str | None = None

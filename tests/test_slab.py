@@ -76,3 +76,21 @@ def test_allocate_many_hands_out_what_allocate_would_and_stops_when_full():
     assert batched.allocate_many(300_000, 0) == []
     assert sorted(batched.allocate_many(300_000, 5)) == sorted(rest)  # freed slots are handed out again
     assert batched.used_bytes == 12 * 303_104
+
+
+def test_a_memory_tier_uses_its_whole_capacity_when_pages_do_not_divide_it():
+    """A 99 MiB host tier with the default 64 MiB pages used to be one 64 MiB page: a
+    third of what it was given, without a word. Its pages now divide it evenly (none
+    larger than asked), so its blocks fill all but a sliver of it."""
+    from kvstore.tier_kind import TierKind
+    from kvstore.tiers.memory import DEFAULT_PAGE_BYTES, VirtualTier
+
+    MiB = 1024 * 1024
+    block_bytes = 1 * MiB + 4096  # not a divisor of any page: each page strands less than one slot
+    for capacity in (99 * MiB, 64 * MiB + 4096, 200 * MiB, 3 * DEFAULT_PAGE_BYTES):
+        tier = VirtualTier(TierKind.HOST, capacity, DEFAULT_PAGE_BYTES)
+        assert tier.slab.page_bytes <= DEFAULT_PAGE_BYTES
+        slots = tier.allocate_many(block_bytes, capacity // block_bytes + 1)
+        stranded = capacity - len(slots) * block_bytes
+        assert 0 <= stranded < tier.slab.num_pages * (block_bytes + 4096), (capacity, len(slots))
+        assert tier.stats().capacity_bytes >= capacity - tier.slab.num_pages * 4096

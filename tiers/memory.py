@@ -14,7 +14,7 @@ import torch
 from kvstore.errors import BlockSizeMismatch, TierUnavailable
 from kvstore.tier_kind import TierKind
 from kvstore.tiers.base import BlockMeta, Tier, TierStats, block_checksum, byte_view, copy_bytes, copy_checksummed
-from kvstore.tiers.slab import SlabAllocator, Slot
+from kvstore.tiers.slab import SlabAllocator, Slot, even_page_bytes
 
 __all__ = ["MemoryTier", "VirtualTier", "DEFAULT_PAGE_BYTES"]
 
@@ -23,8 +23,9 @@ DEFAULT_PAGE_BYTES = 64 * 1024 * 1024
 
 class _SlabTier(Tier):
     def __init__(self, kind: TierKind, capacity_bytes: int, page_bytes: int) -> None:
+        """Pages of at most ``page_bytes`` that divide the capacity (slab.even_page_bytes)."""
         self.kind = kind
-        self._slab = SlabAllocator(capacity_bytes, page_bytes)
+        self._slab = SlabAllocator(capacity_bytes, even_page_bytes(capacity_bytes, page_bytes))
 
     @property
     def slab(self) -> SlabAllocator:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from kvstore.errors import InvalidArgument
 
-__all__ = ["Slot", "SlabAllocator", "round_up"]
+__all__ = ["Slot", "SlabAllocator", "even_page_bytes", "round_up"]
 
 
 class Slot(NamedTuple):
@@ -27,6 +27,17 @@ class Slot(NamedTuple):
 
 def round_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
+
+
+def even_page_bytes(capacity_bytes: int, page_bytes: int, alignment: int = 4096) -> int:
+    """The largest aligned page size, at most ``page_bytes``, whose pages split
+    ``capacity_bytes`` evenly: as many pages as ``page_bytes`` would need, rounded up. A
+    slab keeps only whole pages, so 99 MiB in 64 MiB pages would be one page and 35 MiB
+    never used; in two pages of 49.5 MiB it is all used."""
+    if capacity_bytes <= page_bytes:
+        return page_bytes
+    num_pages = -(-capacity_bytes // page_bytes)
+    return max(capacity_bytes // num_pages // alignment * alignment, alignment)
 
 
 class _Page:

@@ -351,7 +351,8 @@ def main() -> None:
             engine_kv_cache_bytes=int(float(ENGINE_ENV["VLLM_CPU_KVCACHE_SPACE"]) * GiB),
             measured=routing | {"host_bytes_per_s": host_bytes_per_s},
         )
-        router = start_router(workdir, "router", model, redis.url, replicas, routing=routing)
+        # the router is told each daemon's host tier, as an operator would configure it
+        router = start_router(workdir, "router", model, redis.url, replicas, routing=routing, cache_bytes=host_capacity_bytes)
         summaries, measured = {}, {}
         for seed, name in enumerate(("round_robin", "session_hash", "kvstore"), start=1):
             samples, seconds = run_policy(name, shape, seed, str(model), replicas, router.url)

@@ -111,26 +111,38 @@ class RouterProcess:
         return httpx.get(f"{self.url}/metrics", timeout=10).text
 
 
-def router_config(model: Path, redis_url: str, port: int, replicas: list[Replica], routing: dict | None = None, **settings) -> str:
+def router_config(
+    model: Path, redis_url: str, port: int, replicas: list[Replica], routing: dict | None = None, cache_bytes: int = 0, **settings
+) -> str:
     """The TOML of a router in front of ``replicas``, with ``settings`` in [router] and
-    ``routing`` (the cost model's speeds) in [routing]."""
+    ``routing`` (the cost model's speeds) in [routing]; ``cache_bytes``: what each
+    replica's caches keep, as the router is told (0: not told)."""
     settings = {"index": redis_url, "port": port, "health_interval_s": 0.5, **settings}
     lines = ["[router]", *(f"{key} = {json.dumps(value)}" for key, value in settings.items())]
     lines += ["[router.namespace]", *_namespace_lines(model)]
     for replica in replicas:
         lines += ["[[router.replicas]]", f'url = "{replica.url}"', f'node_id = "{replica.node_id}"', f'role = "{replica.role}"']
+        if cache_bytes:
+            lines.append(f"cache_bytes = {cache_bytes}")
     routing = {"remote_fetch": False, **(routing or {})}
     lines += ["[routing]", *(f"{key} = {json.dumps(value)}" for key, value in routing.items())]
     return "\n".join(lines) + "\n"
 
 
 def start_router(
-    workdir: Path, name: str, model: Path, redis_url: str, replicas: list[Replica], routing: dict | None = None, **settings
+    workdir: Path,
+    name: str,
+    model: Path,
+    redis_url: str,
+    replicas: list[Replica],
+    routing: dict | None = None,
+    cache_bytes: int = 0,
+    **settings,
 ) -> RouterProcess:
     """`kvstore router` in front of ``replicas`` (see `router_config`), from the file ``<name>.toml``."""
     port = free_port()
     config = workdir / f"{name}.toml"
-    config.write_text(router_config(model, redis_url, port, replicas, routing, **settings))
+    config.write_text(router_config(model, redis_url, port, replicas, routing, cache_bytes, **settings))
     log = workdir / f"{name}.log"
     with open(log, "w") as out:
         process = subprocess.Popen(

@@ -3,9 +3,14 @@
 Pure and synchronous: the daemon's `Index.Route` (kvstore/router.py) and the routing
 simulator drive exactly this code. The cost of sending a prompt of P tokens to replica r:
 
-    cost_s  = queue_s + load_s + prefill_s
+    cost_s  = queue_s + load_s + prefill_s + pressure_s
     queue_s = queued_tokens / prefill_tokens_per_s + active_requests × decode_s_per_request
               (the prefill work ahead of it, plus each running request's share of steps)
+    pressure_s = evicted_tokens / prefill_tokens_per_s
+              (what the prompt's new blocks push out of r's live sessions' working set, to
+              be computed again when they come back: evicted_tokens = the new tokens beyond
+              cache_tokens − live_tokens, none while the working set and the new tokens
+              fit; 0 when r's cache_tokens is not known)
     load_s  = Σ over the cached blocks r will use: block_bytes / bandwidth of their tier
               (GPU and HBM hits are free: already where the engine reads them; HOST, NVME
               and REMOTE at host_, nvme_ and remote_bytes_per_s)
@@ -19,6 +24,13 @@ r uses the longest prefix it holds (whole blocks of the prompt only). With
 at remote_bytes_per_s — it does so only when that beats recomputing them. Load and
 prefill are added, not overlapped: layer-wise streaming hides part of the load, so the
 model errs towards recomputing.
+
+The pressure term is what keeps the holder of a shared prefix from drawing every new
+session of a fleet whose contexts outgrow its caches: it holds the prefix, but each new
+session's own context there evicts the live sessions' (live_tokens: the distinct tokens
+of the sessions routed to r and not yet expired, index/live.py). A session's own growth
+on its replica is priced the same way, and is small beside recomputing its context
+elsewhere, so it stays.
 
 Session affinity (`route`) is a strong prior: a session stays on its node unless that
 node is not a candidate any more, or its cost exceeds the best alternative's by more than
@@ -129,12 +141,16 @@ class Candidate:
     node_id: str
     queued_tokens: int = 0  # prompt tokens waiting for prefill
     active_requests: int = 0  # requests decoding
+    cache_tokens: int = 0  # the tokens its caches keep; 0: not known (no pressure term)
+    live_tokens: int = 0  # the distinct tokens of the live sessions on it (index/live.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.node_id, str) or not self.node_id:
             raise InvalidArgument(f"a candidate needs a non-empty node id, got {self.node_id!r}.")
         _check_count("Candidate.queued_tokens", self.queued_tokens)
         _check_count("Candidate.active_requests", self.active_requests)
+        _check_count("Candidate.cache_tokens", self.cache_tokens)
+        _check_count("Candidate.live_tokens", self.live_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +161,7 @@ class Estimate:
     load_s: float
     queue_s: float
     cost_s: float
+    pressure_s: float = 0.0  # part of cost_s: the recompute its new blocks' evictions will cause
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +204,13 @@ def estimate(
         if fetch_s + prefill_with_fetch_s < prefill_s:
             load_s, prefill_s, num_cached = load_s + fetch_s, prefill_with_fetch_s, num_with_fetch
     queue_s = candidate.queued_tokens / model.prefill_tokens_per_s + candidate.active_requests * model.decode_s_per_request
-    return Estimate(candidate.node_id, num_cached, prefill_s, load_s, queue_s, queue_s + load_s + prefill_s)
+    pressure_s = 0.0
+    if candidate.cache_tokens:
+        num_new = num_prompt_tokens - len(tiers) * block_size  # blocks fetched from a peer are new here too
+        room = max(candidate.cache_tokens - candidate.live_tokens, 0)
+        pressure_s = max(num_new - room, 0) / model.prefill_tokens_per_s
+    cost_s = queue_s + load_s + prefill_s + pressure_s
+    return Estimate(candidate.node_id, num_cached, prefill_s, load_s, queue_s, cost_s, pressure_s)
 
 
 def route(

@@ -95,6 +95,18 @@ def test_a_namespace_without_its_geometry_and_duplicate_replicas_are_refused(tmp
         load_router_config(path, replicas=[ReplicaConfig("http://10.0.0.9:8000", "gpu-1")])
 
 
+def test_a_replicas_cache_size_is_read_as_a_size_and_a_bad_one_is_named(tmp_path):
+    path = tmp_path / "kvstore.toml"
+    path.write_text(CONFIG.replace('node_id = "gpu-1"', 'node_id = "gpu-1"\ncache_bytes = "2GiB"'))
+    assert load_router_config(path).replicas[0].cache_bytes == 2 * 1024**3
+    path.write_text(CONFIG)
+    assert load_router_config(path).replicas[0].cache_bytes == 0  # not told: no pressure term
+    for bad, words in (('"lots"', "cache_bytes must be a size"), ("-1", "gpu-1's cache_bytes must be a size >= 0")):
+        path.write_text(CONFIG.replace('node_id = "gpu-1"', f'node_id = "gpu-1"\ncache_bytes = {bad}'))
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            load_router_config(path)
+
+
 ONE_HOST = CONFIG.replace('index = "redis://127.0.0.1:6379/0"', 'index = "daemons"\ndaemon_timeout_s = 0.25').replace(
     'node_id = "gpu-1"', 'node_id = "gpu-1"\ndaemon = "127.0.0.1:50551"\ndaemon_token = "s3cret"'
 )

@@ -131,11 +131,13 @@ url = "{url_a}"
 node_id = "replica-a"
 daemon = "{daemon_a}"
 daemon_token = "tok-a"
+cache_bytes = {cache_a}
 
 [[router.replicas]]
 url = "{url_b}"
 node_id = "replica-b"
 daemon = "{daemon_b}"
+cache_bytes = {cache_b}
 
 [routing]
 remote_fetch = false
@@ -154,16 +156,19 @@ def started(command: list[str], log: Path) -> Iterator[subprocess.Popen]:
 
 
 @contextlib.contextmanager
-def router_in_front(tmp_path: Path, engines: tuple[subprocess.Popen, subprocess.Popen], nodes, routing: str = "") -> Iterator[str]:
-    """`kvstore router` (ROUTER_TOML, its [routing] section extended by ``routing``) in
-    front of the two http_replica ``engines`` beside the daemons ``nodes``; yields its url
-    once it is healthy."""
+def router_in_front(
+    tmp_path: Path, engines: tuple[subprocess.Popen, subprocess.Popen], nodes, routing: str = "", cache_bytes: tuple[int, int] = (0, 0)
+) -> Iterator[str]:
+    """`kvstore router` (ROUTER_TOML, its [routing] section extended by ``routing``, the
+    replicas' ``cache_bytes`` as given) in front of the two http_replica ``engines``
+    beside the daemons ``nodes``; yields its url once it is healthy."""
     port = unused_port()
     urls = [f"http://127.0.0.1:{engine.stdout.readline().strip()}" for engine in engines]
     config = tmp_path / "router.toml"
     namespace = NAMESPACE_TOML.replace("[engines.namespace]", "[router.namespace]")
     daemon_a, daemon_b = (node.address for node in nodes)
-    text = ROUTER_TOML.format(namespace=namespace, port=port, url_a=urls[0], url_b=urls[1], daemon_a=daemon_a, daemon_b=daemon_b)
+    addresses = {"url_a": urls[0], "url_b": urls[1], "daemon_a": daemon_a, "daemon_b": daemon_b}
+    text = ROUTER_TOML.format(namespace=namespace, port=port, cache_a=cache_bytes[0], cache_b=cache_bytes[1], **addresses)
     config.write_text(text + routing)
     router = f"http://127.0.0.1:{port}"
     with started([sys.executable, "-m", "kvstore", "router", "--config", str(config)], tmp_path / "router.log"):
@@ -175,6 +180,16 @@ def router_in_front(tmp_path: Path, engines: tuple[subprocess.Popen, subprocess.
 
         assert eventually(healthy, timeout_s=60), (tmp_path / "router.log").read_text()
         yield router
+
+
+def hold(daemon, token: str, prompt: list[int]) -> None:
+    """``daemon`` stores the full blocks of ``prompt`` and its index reports them."""
+    with connect(daemon.address, token=token or None) as client:
+        ns = register(client)
+        keys = chain_hashes(prompt, BLOCK)
+        client.store.Put(pb.PutRequest(namespace_id=ns, block_hashes=keys, payloads=[os.urandom(NS.block_bytes) for _ in keys]))
+        match = pb.MatchRequest(namespace_id=ns, block_hashes=pb.BlockHashes(hashes=keys))
+        assert eventually(lambda: [x.matched_blocks for x in client.index.Match(match).nodes] == [len(keys)])
 
 
 def complete(router: str, prompt: list[int], session: str) -> httpx.Response:
@@ -237,12 +252,7 @@ def test_a_streamed_request_is_queued_prefill_on_its_replica_until_its_first_tok
         started([*replica, "replica-b", "tiny"], tmp_path / "replica-b.log") as engine_b,
     ):
         a, b = start(node_id="replica-a", token="tok-a"), start(node_id="replica-b")
-        with connect(a.address, token="tok-a") as client:
-            ns = register(client)
-            keys = chain_hashes(shared, BLOCK)
-            client.store.Put(pb.PutRequest(namespace_id=ns, block_hashes=keys, payloads=[os.urandom(NS.block_bytes) for _ in keys]))
-            match = pb.MatchRequest(namespace_id=ns, block_hashes=pb.BlockHashes(hashes=keys))
-            assert eventually(lambda: [x.matched_blocks for x in client.index.Match(match).nodes] == [4])
+        hold(a, "tok-a", shared)
         routing = "prefill_tokens_per_s = 1000\ndecode_s_per_request = 0.01\n"
         with router_in_front(tmp_path, (engine_a, engine_b), (a, b), routing) as router:
             body = {"model": "tiny", "prompt": long_prompt, "max_tokens": 1, "stream": True}
@@ -290,6 +300,34 @@ def test_concurrent_new_sessions_each_see_the_load_the_ones_before_them_placed(t
                 gate.touch()
                 where = [future.result() for future in placed]
             assert sorted(where) == ["replica-a"] * 4 + ["replica-b"] * 4, where
+
+
+def test_a_new_session_goes_where_its_context_fits_rather_than_to_the_full_holder_of_the_shared_prefix(tmp_path):
+    """Each replica's caches keep 12 blocks (cache_bytes). replica-a's daemon holds the
+    4-block shared prefix, and the first session (12 blocks) is placed there: its working
+    set fills replica-a. The second session's own 8 blocks would evict 8 of the first's
+    there, to be computed again on its next turn: it goes to replica-b, which computes
+    4 blocks more now and evicts nothing. Told no cache sizes, the router sends it to the
+    prefix's holder."""
+    shared = list(range(4000, 4000 + 4 * BLOCK))
+    sessions = [shared + list(range(5000 + 1000 * i, 5000 + 1000 * i + 8 * BLOCK)) for i in range(2)]
+    replica = [sys.executable, str(Path(__file__).parent / "http_replica.py")]
+    for cache_bytes, second in ((12 * NS.block_bytes, "replica-b"), (0, "replica-a")):
+        run = tmp_path / f"cache-{cache_bytes}"
+        run.mkdir()
+        with (
+            daemons(run) as start,
+            started([*replica, "replica-a", "tiny"], run / "replica-a.log") as engine_a,
+            started([*replica, "replica-b", "tiny"], run / "replica-b.log") as engine_b,
+        ):
+            a, b = start(node_id="replica-a", token="tok-a"), start(node_id="replica-b")
+            hold(a, "tok-a", shared)
+            routing = "prefill_tokens_per_s = 1000\n"
+            with router_in_front(run, (engine_a, engine_b), (a, b), routing, (cache_bytes, cache_bytes)) as router:
+                first = complete(router, sessions[0], "first")
+                assert first.status_code == 200 and first.headers["x-kvstore-replica"] == "replica-a", first.headers
+                answer = complete(router, sessions[1], "second")
+                assert answer.status_code == 200 and answer.headers["x-kvstore-replica"] == second, (cache_bytes, answer.headers)
 
 
 def router_load(router: str) -> tuple[float, float]:

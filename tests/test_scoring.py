@@ -204,3 +204,67 @@ def test_new_sessions_spread_over_idle_nodes_by_rendezvous_hash():
     # deterministic: the same session always ranks the same node first
     again = route_(nodes, {}, 1000, 16, 4096, model, None, AffinityPolicy(0.5, 0.25), "session-7").node_id
     assert again == chosen[7]
+
+
+def test_pressure_prices_what_the_new_tokens_evict_from_the_live_sessions():
+    """A replica whose cache keeps 110,000 tokens, 60,000 of them its live sessions': a
+    prompt whose 102,400 tokens are all new evicts 52,400 of them (5.24 s to compute
+    again); with its 100,000-token prefix held there, the 2,400 new tokens fit."""
+    full = Candidate("full", cache_tokens=110_000, live_tokens=60_000)
+    cold = estimate(full, None, PROMPT, BLOCK, BLOCK_BYTES, MODEL)
+    assert cold.pressure_s == pytest.approx(5.24)
+    assert cold.cost_s == pytest.approx(COLD_PREFILL + 5.24)
+    warm = estimate(full, held("full", HOST), PROMPT, BLOCK, BLOCK_BYTES, MODEL)
+    assert warm.pressure_s == 0 and warm.cost_s == pytest.approx(0.625 + WARM_PREFILL)
+    over = Candidate("over", cache_tokens=100_000, live_tokens=150_000)  # already past its cache: every new token evicts
+    assert estimate(over, held("over", HOST), PROMPT, BLOCK, BLOCK_BYTES, MODEL).pressure_s == pytest.approx(0.24)
+    unknown = Candidate("unknown", live_tokens=10**9)  # no cache size: no term
+    assert estimate(unknown, None, PROMPT, BLOCK, BLOCK_BYTES, MODEL).pressure_s == 0
+    # blocks fetched from a peer are new to this replica's cache too
+    fetched = estimate(Candidate("f", cache_tokens=10_000), None, PROMPT, BLOCK, BLOCK_BYTES, FETCHING, best_peer_blocks=6250)
+    assert fetched.cached_tokens == 100_000 and fetched.pressure_s == pytest.approx((PROMPT - 10_000) / 10_000)
+
+
+def test_a_new_session_goes_where_its_context_fits_not_to_the_full_holder_of_the_shared_prefix():
+    """Both replicas hold the 20,000-token shared prefix; "a" keeps its live sessions'
+    90,000 tokens in a 100,000-token cache, "b" has room. A new session of 40,000 tokens
+    would evict 10,000 live tokens on "a" (1 s) and none on "b": it goes to "b"; without
+    the caches' sizes the rendezvous hash decides between equal costs."""
+    prompt = 40_000
+    shared = [held("a", HOST, 1250), held("b", HOST, 1250)]
+    a, b = Candidate("a", cache_tokens=100_000, live_tokens=90_000), Candidate("b", cache_tokens=100_000, live_tokens=30_000)
+    for session in ("s1", "s2", "s3", "s4"):
+        decision = route([a, b], {m.node_id: m for m in shared}, prompt, BLOCK, BLOCK_BYTES, MODEL, None, POLICY, session)
+        assert decision.node_id == "b"
+        assert [e.pressure_s for e in decision.estimates] == [0, pytest.approx(1.0)]
+    blind, matches = [Candidate("a"), Candidate("b")], {m.node_id: m for m in shared}
+    placed = {route(blind, matches, prompt, BLOCK, BLOCK_BYTES, MODEL, None, POLICY, f"s{i}").node_id for i in range(16)}
+    assert placed == {"a", "b"}
+
+
+def test_live_sessions_count_each_replicas_distinct_tokens_shared_prefixes_once():
+    from kvstore.hashing import chain_hashes
+    from kvstore.index.live import LiveSessions
+
+    live = LiveSessions(ttl_s=10, block_size=16, stride=4)
+    shared = list(range(1000, 1000 + 8 * 16))  # 8 blocks: two kept keys
+    prompts = [shared + list(range(5000 + 1000 * i, 5000 + 1000 * i + 4 * 16 + 5)) for i in range(3)]  # 4 more blocks + 5
+    for i, prompt in enumerate(prompts[:2]):
+        live.record(f"s{i}", "a", chain_hashes(prompt, 16), len(prompt), now=0.0)
+    live.record("s2", "b", chain_hashes(prompts[2], 16), len(prompts[2]), now=1.0)
+    # on a: the shared 128 tokens once, each session's own 64 and its 5-token tail
+    assert live.tokens_on("a", now=2.0) == 128 + 2 * (64 + 5)
+    assert live.tokens_on("b", now=2.0) == 128 + 64 + 5
+    longer = prompts[0] + list(range(9000, 9000 + 3 * 16))  # s0's next turn, sent to b: it leaves a
+    live.record("s0", "b", chain_hashes(longer, 16), len(longer), now=3.0)
+    assert live.tokens_on("a", now=3.0) == 128 + 64 + 5
+    assert live.tokens_on("b", now=3.0) == 128 + (64 + 5) + (64 + 5 + 48)  # its tail: 5 + 48 past its last kept key
+    assert live.tokens_on("a", now=10.5) == 0  # s1 expired (seen at 0, lives 10 s)
+    assert live.tokens_on("b", now=12.0) == len(longer)  # only s0 now (seen at 3): all of it, shared with no one
+    assert len(live) == 1 and live.tokens_on("b", now=13.5) == 0
+    few = LiveSessions(ttl_s=10, block_size=16, stride=4, max_sessions=2)
+    for i, prompt in enumerate(prompts):
+        few.record(f"s{i}", "a", chain_hashes(prompt, 16), len(prompt), now=0.0)
+    assert len(few) == 2 and few.tokens_on("a", now=0.0) == 128 + 2 * (64 + 5)  # the least recently seen went
+    with pytest.raises(InvalidArgument):
+        LiveSessions(ttl_s=0, block_size=16)

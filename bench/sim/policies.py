@@ -17,8 +17,10 @@
   decode_blocks = the blocks of every request active on it plus this prompt's. The weight
   defaults to 1.0, Dynamo's documented default. Cached blocks count in whatever tier.
 - ``kvstore``: kvstore's production router, `kvstore.index.scoring.route`: the expected
-  cost of each replica (queue + load + prefill seconds) with session affinity kept in a
-  dict with a TTL, margins and TTL from `RoutingConfig`'s defaults. Its replicas fetch
+  cost of each replica (queue + load + prefill + pressure seconds, the pressure from each
+  replica's cache size and the live sessions placed on it, `kvstore.index.live`, as the
+  HTTP router prices it) with session affinity kept in a dict with a TTL, margins and TTL
+  from `RoutingConfig`'s defaults. Its replicas fetch
   blocks from peers when that beats recomputing them (kvstore's transport).
 
 The same cache-aware baselines on a fleet that runs kvstore, with what kvstore's router
@@ -45,6 +47,7 @@ from __future__ import annotations
 import abc
 import bisect
 import collections
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -56,6 +59,7 @@ from kvstore.config import RoutingConfig
 from kvstore.errors import InvalidArgument
 from kvstore.index import scoring
 from kvstore.index.base import SessionAffinity
+from kvstore.index.live import LiveSessions
 from kvstore.index.locations import BlockLocations
 from kvstore.tier_kind import TierKind
 
@@ -244,11 +248,22 @@ class KvstoreCost(RoutingPolicy):
         self._affinity_policy = scoring.AffinityPolicy(margin_s=routing.margin_s, margin_ratio=routing.margin_ratio)
         self._ttl_s = routing.session_ttl_s
         self._sessions: dict[str, tuple[SessionAffinity, float]] = {}  # session -> (affinity, expires at)
+        self._live: LiveSessions | None = None  # the working set placed on each replica, as the HTTP router keeps it
         self.num_moves = 0
 
     def choose(self, request: Request, fleet: Fleet, now: float) -> int:
         matches = {match.node_id: match for match in _matches(request, fleet)}
-        candidates = [_candidate(replica, now) for replica in fleet.replicas]
+        if self._live is None:
+            self._live = LiveSessions(self._ttl_s, request.block_tokens)
+        live = self._live
+        candidates = [
+            dataclasses.replace(
+                _candidate(replica, now),
+                cache_tokens=replica.cache_bytes // fleet.block_bytes * request.block_tokens,
+                live_tokens=live.tokens_on(replica.node_id, now),
+            )
+            for replica in fleet.replicas
+        ]
         held = self._sessions.get(request.session_id)
         affinity = held[0] if held is not None and held[1] > now else None
         decision = scoring.route(
@@ -267,6 +282,7 @@ class KvstoreCost(RoutingPolicy):
             num_moves += 1
             self.num_moves += 1
         self._sessions[request.session_id] = (SessionAffinity(request.session_id, decision.node_id, num_moves), now + self._ttl_s)
+        live.record(request.session_id, decision.node_id, request.block_hashes, request.num_prompt_tokens, now)
         return replica_index(decision.node_id)
 
 

@@ -140,6 +140,11 @@ class Replica:
         self.active_blocks = 0  # blocks of every request here, queued to decoding (Dynamo's "active blocks")
         self._waiting_new_tokens = 0
 
+    @property
+    def cache_bytes(self) -> int:
+        """What its tiers hold in all: the ``cache_bytes`` a router is told of it."""
+        return sum(stats.capacity_bytes for stats in self.manager.tier_stats())
+
     # -- load, as a router sees it ---------------------------------------------------------
     @property
     def num_outstanding(self) -> int:

@@ -11,7 +11,8 @@ For each ``/v1/completions`` or ``/v1/chat/completions`` request the router
    load from different paths;
 3. asks the block-location index which replica holds how much of the chain, in which
    tier, and lets the production cost model (kvstore.router.Router over
-   kvstore.index.scoring) choose, with the load the router tracks and the session's
+   kvstore.index.scoring) choose, with the load the router tracks, each replica's cache
+   size against the live sessions placed there (index/live.py) and the session's
    affinity (kept in the index backend, so router replicas agree), among the replicas
    that serve the request's model (an adapter only where it is loaded). On one host
    without Redis (``router.index = "daemons"``) the index is the replicas' daemons, asked
@@ -74,7 +75,8 @@ from kvstore.hashing import chain_hashes
 from kvstore.index.backends import open_index
 from kvstore.index.base import Index, SessionStore
 from kvstore.index.daemons import DaemonAddress, DaemonsIndex
-from kvstore.index.scoring import RouteDecision
+from kvstore.index.live import LiveSessions
+from kvstore.index.scoring import Candidate, RouteDecision
 from kvstore.index.sessions import EmbeddedSessionStore
 from kvstore.router import Router
 
@@ -121,6 +123,7 @@ class Gateway:
         self.reload = ConfigReload(load, self.replicas, self.metrics)
         self.index, self.sessions = self._open_index(config)
         self.router = Router(None, self.index, self.sessions, config.routing)
+        self.live = LiveSessions(config.routing.session_ttl_s, config.namespace.block_size)  # what each replica must keep
         recent = RecentChains(config.tenant_cache_chains, config.tenant_cache_blocks)
         self.tenant_cache = TenantCache(recent, self.index, config.namespace, self.metrics)
         self.client = httpx.AsyncClient(
@@ -358,12 +361,15 @@ class Gateway:
             # the load as it is now, after the index's answer: from here to the increments
             # below nothing awaits, so a concurrent request decides with this one counted
             members = dict(self.replicas.replicas)  # and a reload while a request is sent must not lose its replica
-            candidates = [c for c in self.replicas.candidates(excluded, roles, model) if c.node_id in asked]
+            now = time.monotonic()
+            candidates = [self._with_cache(c, members, now) for c in self.replicas.candidates(excluded, roles, model) if c.node_id in asked]
             if not candidates:
                 break
             notes = [f"retry after {'; '.join(failures)}" if failures else "", f"unkeyed: {unkeyed}" if unkeyed else ""]
             note = "; ".join(n for n in notes if n)
             decision = self.router.decide(lookup, candidates, len(token_ids), ns.block_size, ns.block_bytes, session_id, note)
+            if hashes:
+                self.live.record(session_id, decision.node_id, hashes, len(token_ids), now)
             replica = members[decision.node_id]
             uncached = max(len(token_ids) - decision.expected_cached_tokens, 0)
             replica.in_flight += 1
@@ -458,6 +464,17 @@ class Gateway:
                 path, original, headers, token_ids, hashes, "", roles=("decode",), excluded={decoder.node_id}, model=model, unkeyed=unkeyed
             )
         return dataclasses.replace(routed, prefill_node_id=prefill.replica.node_id)
+
+    def _with_cache(self, candidate: Candidate, members: dict[str, Replica], now: float) -> Candidate:
+        """``candidate`` with its replica's cache size (``cache_bytes`` in whole blocks of the
+        engines' namespace) and the distinct tokens of the live sessions this router placed
+        there: what the cost model's pressure term weighs (index/scoring.py)."""
+        cache_bytes = members[candidate.node_id].config.cache_bytes
+        if not cache_bytes:
+            return candidate
+        ns = self.config.namespace
+        cache_tokens = cache_bytes // ns.block_bytes * ns.block_size
+        return dataclasses.replace(candidate, cache_tokens=cache_tokens, live_tokens=self.live.tokens_on(candidate.node_id, now))
 
     def _release(self, replica: Replica, uncached: int) -> None:
         replica.in_flight -= 1

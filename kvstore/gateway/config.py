@@ -72,6 +72,10 @@ class ReplicaConfig:
     role: str = "both"
     daemon: str = ""  # host:port of its daemon's gRPC API (router.index = "daemons")
     daemon_token: str = ""  # that daemon's server.auth_token, when it has one
+    # the KV bytes its daemon and engine keep for the engines' namespace (host tier, plus
+    # the engine's GPU prefix cache where it is on): routing prices what a new session's
+    # context would evict there (index/scoring.py); 0: not known, no such term
+    cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
@@ -80,6 +84,8 @@ class ReplicaConfig:
             raise ConfigError(f"router.replicas: replica {self.url} needs the node_id of its kvstore daemon.")
         if self.role not in _ROLES:
             raise ConfigError(f"router.replicas: role must be one of {', '.join(_ROLES)}, got {self.role!r}.")
+        if isinstance(self.cache_bytes, bool) or not isinstance(self.cache_bytes, int) or self.cache_bytes < 0:
+            raise ConfigError(f"router.replicas: replica {self.node_id}'s cache_bytes must be a size >= 0, got {self.cache_bytes!r}.")
         if self.daemon:
             _check_address(self.daemon, self.node_id)
         elif self.daemon_token:
@@ -181,6 +187,10 @@ def _coerce(name: str, raw: Any, kind: Any) -> Any:
     return str(raw)
 
 
+def _replica_value(name: str, raw: Any) -> Any:
+    return parse_size(raw, f"router.replicas: {name}") if name == "cache_bytes" else str(raw)
+
+
 def _routing(values: Mapping[str, Any]) -> RoutingConfig:
     fields = {f.name: f for f in dataclasses.fields(RoutingConfig)}
     settings: dict[str, Any] = {"remote_fetch": False}
@@ -220,9 +230,11 @@ def load_router_config(
     if not isinstance(listed, list) or not all(isinstance(r, Mapping) for r in listed):
         raise ConfigError("router.replicas must be an array of tables ([[router.replicas]] with url and node_id).")
     try:
-        found = [ReplicaConfig(**{k: str(v) for k, v in r.items()}) for r in listed]
+        found = [ReplicaConfig(**{k: _replica_value(k, v) for k, v in r.items()}) for r in listed]
     except TypeError as exc:
-        raise ConfigError(f"router.replicas: {exc}; a replica has url, node_id and optionally role, daemon and daemon_token.") from exc
+        raise ConfigError(
+            f"router.replicas: {exc}; a replica has url, node_id and optionally role, daemon, daemon_token and cache_bytes."
+        ) from exc
     settings["replicas"] = (*found, *replicas)
     settings["namespace"] = namespace_from(section.get("namespace", {}))
     settings["routing"] = _routing(document.get("routing", {}))

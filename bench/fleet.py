@@ -14,12 +14,15 @@ policy, so no policy finds another's blocks), so the ratios isolate routing:
 - session_hash: the client sends a session to replica hash(session) mod N;
 - kvstore: the client sends everything to `kvstore router`.
 
-Each daemon's host tier holds every block of the run (256 MiB) unless ``--cache-share X``
-sizes it to X times its replica's part of the workload's distinct tokens (the shared
-prefix and every session's final context, over the replicas): with 1 < X < the number of
-replicas, a policy that keeps each session on one replica fits its part, one that spreads
-every session over every replica does not — the regime of a fleet whose agents' contexts
-outgrow its cache. The plain-vLLM line keeps its engine's own cache either way.
+Each daemon's host tier is ``--cache-share X`` (default 1.0) times its replica's part of
+the workload's distinct tokens (the shared prefix and every session's final context,
+over the replicas), and the router is told it (``cache_bytes``): with X from about 1 to
+below the number of replicas, a policy that keeps each session on one replica fits its
+part, one that spreads every session over every replica does not — the regime of a
+fleet whose agents' contexts outgrow its cache, which is what routing is for.
+``--cache-share 0`` gives every daemon 256 MiB, room for every block of the run, where
+spreading costs only the recompute of a session's newest turns. The plain-vLLM line keeps
+its engine's own cache either way.
 
 Per policy: TTFT p50/p99 (time to the first streamed chunk, client-observed), prefill
 tokens the engines computed per request (prompt minus cached tokens, from their usage),
@@ -282,24 +285,28 @@ def main() -> None:
     def extra(parser) -> None:
         parser.add_argument("--replicas", type=int, default=2)
         parser.add_argument("--sessions", type=int, default=0, help="default: 4 (--quick) or 8")
-        parser.add_argument("--turns", type=int, default=0, help="default: 3 (--quick) or 6")
+        parser.add_argument("--turns", type=int, default=0, help="default: 3 (--quick) or 12")
         parser.add_argument(
             "--cache-share",
             type=float,
-            default=0.0,
+            default=1.0,
             help="size each daemon's host tier to this multiple of its share of the workload's distinct tokens "
-            "(the sessions' final contexts over the replicas); 0: 256 MiB, which holds everything",
+            "(the sessions' final contexts over the replicas); 0: 256 MiB, which holds everything (default: 1.0)",
         )
         parser.add_argument(
-            "--size", choices=("tiny", "mid"), default="tiny", help="the model (bench.vllm_model); mid: 8K prefill takes seconds"
+            "--size",
+            choices=("tiny", "mid"),
+            default="",
+            help="the model (bench.vllm_model); mid: 8K prefill takes seconds (default: tiny with --quick, else mid)",
         )
 
     args = parse_args(__doc__.splitlines()[0], extra)
+    args.size = args.size or ("tiny" if args.quick else "mid")
     if args.cache_share < 0:
         raise SystemExit(f"--cache-share must be 0 (room for everything) or a positive multiple, got {args.cache_share}.")
     shape = Shape(
         sessions=args.sessions or (4 if args.quick else 8),
-        turns=args.turns or (3 if args.quick else 6),
+        turns=args.turns or (3 if args.quick else 12),
         shared_tokens=768 if args.quick else 1536,
         context_tokens=512 if args.quick else 1024,
         user_tokens=96,

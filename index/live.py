@@ -10,12 +10,12 @@ what a new prompt's blocks would evict there.
 Sessions share prefixes (the system prompt and tools every agent sends), and a shared
 block is one block in the cache, so the figure counts distinct blocks, not each session's
 length. Chained keys make that cheap: block k's key names the whole prefix up to k, so
-the prefixes of two chains are equal exactly where their keys are. Only every
-``stride``-th key is kept (the one ending each stride of blocks); a replica's distinct
-tokens are its distinct kept keys × stride × block size, plus each session's tail past
-its last kept key, counted as its own. At most ``max_sessions`` are kept, the least
-recently seen forgotten first: memory is a reference to one key in ``stride`` per
-session.
+the prefixes of two chains are equal exactly where their keys are. Only the key ending
+each stride of ``stride_tokens`` (whole blocks of them) is kept; a replica's distinct
+tokens are its distinct kept keys × the stride, plus each session's tail past its last
+kept key, counted as its own. At most ``max_sessions`` are kept, the least recently seen
+forgotten first: a 150K-token session costs 37 kept keys at the default 4,096-token
+stride, ~2 KB with its share of the per-replica counts.
 
 Pure and synchronous: the HTTP router (kvstore/gateway) and the routing simulator
 (bench/sim) drive it. Owner: the caller's thread.
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import BlockHash
 
-__all__ = ["LiveSessions", "DEFAULT_STRIDE"]
+__all__ = ["LiveSessions", "DEFAULT_STRIDE_TOKENS"]
 
-DEFAULT_STRIDE = 64  # blocks per kept key: 1,024 tokens at 16-token blocks
+DEFAULT_STRIDE_TOKENS = 4096  # tokens per kept key, in whole blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,15 +52,15 @@ class _Node:
 
 
 class LiveSessions:
-    def __init__(self, ttl_s: float, block_size: int, stride: int = DEFAULT_STRIDE, max_sessions: int = 100_000) -> None:
+    def __init__(self, ttl_s: float, block_size: int, stride_tokens: int = DEFAULT_STRIDE_TOKENS, max_sessions: int = 50_000) -> None:
         if not ttl_s > 0:
             raise InvalidArgument(f"a live session's lifetime must be positive, got {ttl_s!r} s.")
-        for name, value in (("block_size", block_size), ("stride", stride), ("max_sessions", max_sessions)):
+        for name, value in (("block_size", block_size), ("stride_tokens", stride_tokens), ("max_sessions", max_sessions)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgument(f"LiveSessions.{name} must be a positive integer, got {value!r}.")
         self.ttl_s = ttl_s
         self.block_size = block_size
-        self.stride = stride
+        self.stride = max(stride_tokens // block_size, 1)  # in blocks
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[str, _Live] = OrderedDict()  # least recently seen first
         self._nodes: dict[str, _Node] = {}

@@ -246,7 +246,7 @@ def test_live_sessions_count_each_replicas_distinct_tokens_shared_prefixes_once(
     from kvstore.hashing import chain_hashes
     from kvstore.index.live import LiveSessions
 
-    live = LiveSessions(ttl_s=10, block_size=16, stride=4)
+    live = LiveSessions(ttl_s=10, block_size=16, stride_tokens=64)
     shared = list(range(1000, 1000 + 8 * 16))  # 8 blocks: two kept keys
     prompts = [shared + list(range(5000 + 1000 * i, 5000 + 1000 * i + 4 * 16 + 5)) for i in range(3)]  # 4 more blocks + 5
     for i, prompt in enumerate(prompts[:2]):
@@ -262,7 +262,7 @@ def test_live_sessions_count_each_replicas_distinct_tokens_shared_prefixes_once(
     assert live.tokens_on("a", now=10.5) == 0  # s1 expired (seen at 0, lives 10 s)
     assert live.tokens_on("b", now=12.0) == len(longer)  # only s0 now (seen at 3): all of it, shared with no one
     assert len(live) == 1 and live.tokens_on("b", now=13.5) == 0
-    few = LiveSessions(ttl_s=10, block_size=16, stride=4, max_sessions=2)
+    few = LiveSessions(ttl_s=10, block_size=16, stride_tokens=64, max_sessions=2)
     for i, prompt in enumerate(prompts):
         few.record(f"s{i}", "a", chain_hashes(prompt, 16), len(prompt), now=0.0)
     assert len(few) == 2 and few.tokens_on("a", now=0.0) == 128 + 2 * (64 + 5)  # the least recently seen went

@@ -67,6 +67,7 @@ bench-quick: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 	$(ENGINES_PY) -m bench.lmcache --quick
 	$(PY) -m bench.e2e_vllm --quick
 	$(PY) -m bench.vllm_saves --quick
+	$(PY) -m bench.fleet --quick
 
 # On a CUDA machine without network (the device tool's): the tests marked gpu and the GPU
 # overlap figure, with kvstore and the wheels in .whl/ installed into a scratch site.

@@ -43,6 +43,7 @@ __all__ = [
     "HASH_BYTES",
     "hash_block",
     "chain_hashes",
+    "token_bytes",
     "num_full_blocks",
     "parse_block_hash",
 ]
@@ -57,8 +58,9 @@ ROOT_PARENT = BlockHash(bytes(HASH_BYTES))
 _MAX_TOKEN_ID = 2**32 - 1
 
 
-def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
-    """Encode token ids as uint32 little-endian, rejecting ids that do not fit."""
+def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Encode token ids as uint32 little-endian, rejecting ids that do not fit (what block
+    keys hash)."""
     array = np.asarray(token_ids)
     if array.ndim != 1:
         raise InvalidArgument(f"token ids must be a flat sequence, got shape {array.shape}.")
@@ -76,7 +78,7 @@ def hash_block(parent: BlockHash | None, block_tokens: Sequence[int] | np.ndarra
     parent_bytes = ROOT_PARENT if parent is None else parent
     if len(parent_bytes) != HASH_BYTES:
         raise InvalidArgument(f"a parent hash is {HASH_BYTES} bytes, got {len(parent_bytes)}.")
-    return BlockHash(xxhash.xxh3_128_digest(CHAIN_SEED + parent_bytes + _token_bytes(block_tokens)))
+    return BlockHash(xxhash.xxh3_128_digest(CHAIN_SEED + parent_bytes + token_bytes(block_tokens)))
 
 
 def num_full_blocks(num_tokens: int, block_size: int) -> int:
@@ -98,7 +100,7 @@ def chain_hashes(
     growing prompt can be hashed incrementally. ``extra_keys[i]``, where given and not
     None, is what besides its tokens block ``i`` depends on (see the module's docstring).
     """
-    encoded = _token_bytes(token_ids)
+    encoded = token_bytes(token_ids)
     num_blocks = num_full_blocks(len(encoded) // 4, block_size)
     stride = block_size * 4
     view = memoryview(encoded)

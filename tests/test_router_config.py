@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import xxhash
 from click.testing import CliRunner
 from prometheus_client import generate_latest
 
@@ -314,6 +315,9 @@ def test_what_is_tokenized_for_a_request():
     with pytest.raises(BadRequest, match="prompt"):
         tokenize_request("completion", {"model": "m", "prompt": 3})
     assert tokens_digest([1, 2]) != tokens_digest([2, 1])
+    assert tokens_digest([1, 2**32 - 1]) == xxhash.xxh64_hexdigest(b"\x01\x00\x00\x00\xff\xff\xff\xff")  # uint32-LE
+    for not_ids in ([5, True], [5, 6.0], [5, "6"], [5, None], []):  # the engine judges these, not the router's hashing
+        assert prompt_token_ids("completion", {"prompt": not_ids}) is None, not_ids
 
 
 def test_tenant_labels_are_bounded():

@@ -104,8 +104,7 @@ class _Routed:
         True the time they do)."""
         if self.prefilling_tokens is None:
             return False
-        self.replica.num_prefilling -= 1
-        self.replica.queued_tokens -= self.prefilling_tokens
+        self.replica.prefilled(self.prefilling_tokens)
         self.prefilling_tokens = None
         return True
 
@@ -478,8 +477,7 @@ class Gateway:
 
     def _release(self, replica: Replica, uncached: int) -> None:
         replica.in_flight -= 1
-        replica.num_prefilling -= 1
-        replica.queued_tokens -= uncached
+        replica.prefilled(uncached)
         self.replicas.publish_load(replica)
 
     def _prefilled(self, routed: _Routed) -> None:

@@ -85,6 +85,12 @@ class Replica:
     def node_id(self) -> str:
         return self.config.node_id
 
+    def prefilled(self, uncached_tokens: int) -> None:
+        """A request it was computing has its prompt computed (or left without it): its
+        ``uncached_tokens`` leave the queue routing prices."""
+        self.num_prefilling -= 1
+        self.queued_tokens -= uncached_tokens
+
     def candidate(self) -> Candidate:
         """Its load for the cost model: what the router sent it, or what the engine reports
         when that is more (traffic that reached it some other way)."""

@@ -3,9 +3,13 @@
     python -m bench.daemon [--quick] [--json] [--remote-fetch-only]
 
 - lookup round trip of 512 block keys over the local protocol, p50/p99 (target: p50 ≤
-  100 µs), next to the same lookup holding the blocks it finds, as the vLLM scheduler's
-  lookup does (``LOOKUP_HOLD``, the previous hold released in the same round trip), and through
-  the gRPC API (why engines do not use gRPC);
+  100 µs), next to the same lookup by a client that sleeps in recv at once (``spin_s`` 0;
+  the default client polls for its answer for up to 200 µs first), the same lookup holding
+  the blocks it finds, as the vLLM scheduler's lookup does (``LOOKUP_HOLD``, the previous
+  hold released in the same round trip), and through the gRPC API (why engines do not use
+  gRPC); beside them, the floor: a round trip of the same frame sizes over a Unix socket
+  between two processes doing no work, the reader sleeping or polling (on a VM a wakeup
+  on another CPU costs tens of µs each way);
 - save (reserve → copy into the shared slab, taking each block's XXH3-64 as it is copied →
   commit) and load (lease → copy out → release) GB/s of 1 MiB blocks through the daemon,
   against a single-thread memcpy of the same blocks between private tensors in the same
@@ -46,12 +50,14 @@ import numpy as np
 import torch
 
 from bench.report import Report, best_of, gbps, parse_args, timed
+from kvstore import localproto
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.client import KVStoreClient
 from kvstore.errors import TransportUnavailable
 from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
+from kvstore.localproto import Op
 from kvstore.namespace import Namespace
 from kvstore.spawn import DaemonProcess, spawn_daemon
 from kvstore.tiers.base import copy_bytes
@@ -188,6 +194,56 @@ def _histogram_quantile(q: float, cumulative: list[tuple[float, float]]) -> floa
     return lower_bound
 
 
+def echo(fd: int, request_bytes: int, reply_bytes: int) -> None:
+    """The raw round trip's far end: read each request whole and answer it, blocking in
+    recv as the daemon's loop sleeps in epoll, until the socket closes."""
+    import socket
+
+    sock, landing, reply = socket.socket(fileno=fd), bytearray(1 << 20), b"r" * reply_bytes
+    while True:
+        got = 0
+        while got < request_bytes:
+            count = sock.recv_into(landing)
+            if not count:
+                return
+            got += count
+        sock.sendall(reply)
+
+
+def raw_round_trips(request_bytes: int, reply_bytes: int, samples: int) -> dict[str, float]:
+    """p50 µs of a round trip of the lookup's frame sizes over a Unix socket between two
+    processes, with no work at either end: the reader sleeping in recv, and polling for
+    its answer (as ``KVStoreClient`` does for up to ``spin_s``)."""
+    import socket
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    far = subprocess.Popen(
+        [sys.executable, "-m", "bench.daemon", "--echo", str(theirs.fileno()), str(request_bytes), str(reply_bytes)],
+        pass_fds=[theirs.fileno()],
+    )
+    theirs.close()
+    request, landing, result = b"q" * request_bytes, bytearray(1 << 20), {}
+    try:
+        for mode in ("sleeping", "polling"):
+            ours.setblocking(mode == "sleeping")
+            times = []
+            for _ in range(samples):
+                started = time.perf_counter()
+                ours.sendall(request)
+                got = 0
+                while got < reply_bytes:
+                    try:
+                        got += ours.recv_into(landing)
+                    except BlockingIOError:
+                        pass
+                times.append(time.perf_counter() - started)
+            result[mode] = percentiles(times)[0] * 1e6
+    finally:
+        ours.close()
+        far.wait(timeout=10)
+    return result
+
+
 def look_up(socket_path: str) -> None:
     """The other engine: look up a cached 512-block chain until told to stop, then print
     every (monotonic time, latency) on one line."""
@@ -319,6 +375,9 @@ def main() -> None:
     if sys.argv[1:2] == ["--look-up"]:
         look_up(sys.argv[2])
         return
+    if sys.argv[1:2] == ["--echo"]:
+        echo(*map(int, sys.argv[2:5]))
+        return
     args = parse_args(__doc__.splitlines()[0], _only_flag)
     torch.set_num_threads(1)
     if args.remote_fetch_only:
@@ -348,6 +407,16 @@ def main() -> None:
             samples.append(time.perf_counter() - started)
         assert found.num_blocks == LOOKUP_KEYS
         local_p50, local_p99 = percentiles(samples)
+        sleeping_samples = []
+        with KVStoreClient(state["socket"], spin_s=0.0) as sleeper:  # sleeps in recv at once
+            for _ in range(lookups):
+                started = time.perf_counter()
+                sleeper.lookup(lookup_digest, keys)
+                sleeping_samples.append(time.perf_counter() - started)
+        sleeping_p50, sleeping_p99 = percentiles(sleeping_samples)
+        request_frame = localproto.encode_request(1, Op.LOOKUP, (lookup_digest, localproto.pack_hashes(keys)))
+        reply_frame = localproto.encode_reply(1, bytes(LOOKUP_KEYS))
+        raw = raw_round_trips(len(request_frame), len(reply_frame), lookups)
         # what the vLLM scheduler sends: the lookup holding what it found, the previous
         # request's hold released in the same round trip
         held_samples, previous = [], []
@@ -410,6 +479,10 @@ def main() -> None:
         "lookup_keys": LOOKUP_KEYS,
         "local_lookup_p50_us": local_p50 * 1e6,
         "local_lookup_p99_us": local_p99 * 1e6,
+        "sleeping_lookup_p50_us": sleeping_p50 * 1e6,
+        "sleeping_lookup_p99_us": sleeping_p99 * 1e6,
+        "raw_round_trip_sleeping_p50_us": raw["sleeping"],
+        "raw_round_trip_polling_p50_us": raw["polling"],
         "held_lookup_p50_us": held_p50 * 1e6,
         "held_lookup_p99_us": held_p99 * 1e6,
         "grpc_lookup_p50_us": grpc_p50 * 1e6,
@@ -427,9 +500,12 @@ def main() -> None:
         f"lookup of {LOOKUP_KEYS} keys (µs)",
         ["path", "p50", "p99"],
         [
-            ["local socket", result["local_lookup_p50_us"], result["local_lookup_p99_us"]],
+            ["local socket (the client polls for its answer, spin_s 200 µs)", result["local_lookup_p50_us"], result["local_lookup_p99_us"]],
+            ["local socket, the client sleeping in recv (spin_s 0)", result["sleeping_lookup_p50_us"], result["sleeping_lookup_p99_us"]],
             ["local socket, holding what it finds (LOOKUP_HOLD)", result["held_lookup_p50_us"], result["held_lookup_p99_us"]],
             ["gRPC", result["grpc_lookup_p50_us"], result["grpc_lookup_p99_us"]],
+            ["raw socket round trip of the same frame sizes, no work, reader polling", result["raw_round_trip_polling_p50_us"], "-"],
+            ["raw socket round trip of the same frame sizes, no work, reader sleeping", result["raw_round_trip_sleeping_p50_us"], "-"],
         ],
     )
     report.print_table(

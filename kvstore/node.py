@@ -174,9 +174,11 @@ class Node:
     def lookup_ranks(self, digest: bytes, chain: bytes) -> bytes:
         """``lookup`` of a chain of concatenated 16-byte hashes, as tier ranks (one byte per
         block): the engines' hot path, with no object per block."""
-        num_asked = len(chain) // HASH_BYTES
-        self._check_count(num_asked)
-        ranks = self.manager.lookup_ranks(digest, chain)
+        self._check_count(len(chain) // HASH_BYTES)
+        return self._counted(digest, self.manager.lookup_ranks(digest, chain), len(chain) // HASH_BYTES)
+
+    def _counted(self, digest: bytes, ranks: bytes, num_asked: int) -> bytes:
+        """A lookup's hits and misses, in the metrics and the node's counts."""
         block_size = self._block_size(digest)
         self.metrics.lookup(digest, ranks, num_asked, block_size)
         hit, missed = len(ranks), num_asked - len(ranks)
@@ -199,8 +201,10 @@ class Node:
         if not 0 < hold_s <= MAX_HOLD_S:
             raise InvalidArgument(f"a lookup hold lasts more than 0 and at most {MAX_HOLD_S:g} seconds, got {hold_s:g}.")
         self.release_holds(session_id, release)
-        ranks = [self.lookup_ranks(digest, chain) for digest in digests]
-        hold_id = self.manager.hold_prefixes([(digest, len(found)) for digest, found in zip(digests, ranks)], chain, hold_s)
+        self._check_count(len(chain) // HASH_BYTES)
+        hold_id, ranks = self.manager.lookup_held(digests, chain, hold_s)
+        for digest, found in zip(digests, ranks):
+            self._counted(digest, found, len(chain) // HASH_BYTES)
         if hold_id:
             session.holds.add(hold_id)
             self._hold_sessions[hold_id] = session_id

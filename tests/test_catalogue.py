@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvstore.hashing import chain_hashes
 from kvstore.tier_kind import TierKind
-from kvstore.tiers.catalogue import BlockEntry, Catalogue
+from kvstore.tiers.catalogue import BlockEntry, Catalogue, chain_keys
 from kvstore.tiers.slab import Slot
 
 NAMESPACE, OTHER = b"n" * 16, b"o" * 16
@@ -38,21 +38,21 @@ def test_prefix_ranks_follow_inserts_moves_and_removals() -> None:
     for e in entries:
         catalogue.insert(e)
     chain = b"".join(POOL[:10])
-    assert catalogue.prefix_ranks(NAMESPACE, chain) == bytes([TierKind.HOST.rank] * 8)
-    assert catalogue.prefix_ranks(OTHER, chain) == b""
-    assert catalogue.prefix_ranks(NAMESPACE, b"") == b""
+    assert catalogue.prefix_ranks(NAMESPACE, chain_keys(chain)) == bytes([TierKind.HOST.rank] * 8)
+    assert catalogue.prefix_ranks(OTHER, chain_keys(chain)) == b""
+    assert catalogue.prefix_ranks(NAMESPACE, chain_keys(b"")) == b""
     catalogue.relocate(entries[5], TierKind.NVME, Slot(0, 4096))
     assert entries[5].tier is TierKind.NVME and entries[5].slot == Slot(0, 4096)
-    assert catalogue.prefix_ranks(NAMESPACE, chain)[5] == TierKind.NVME.rank
+    assert catalogue.prefix_ranks(NAMESPACE, chain_keys(chain))[5] == TierKind.NVME.rank
     catalogue.remove(entries[3])
-    assert catalogue.prefix_ranks(NAMESPACE, chain) == bytes([TierKind.HOST.rank] * 3)
+    assert catalogue.prefix_ranks(NAMESPACE, chain_keys(chain)) == bytes([TierKind.HOST.rank] * 3)
 
 
 def test_a_hash_ending_in_zero_bytes_is_found() -> None:
     catalogue = Catalogue(lambda entry: None)
     block_hash = b"\x07" + bytes(15)
     catalogue.insert(BlockEntry((NAMESPACE, block_hash), None, TierKind.HOST, Slot(0, 64), 64, 0.0))
-    assert catalogue.prefix_ranks(NAMESPACE, block_hash) == bytes([TierKind.HOST.rank])
+    assert catalogue.prefix_ranks(NAMESPACE, chain_keys(block_hash)) == bytes([TierKind.HOST.rank])
 
 
 @settings(max_examples=80, deadline=None)
@@ -70,7 +70,7 @@ def test_prefix_ranks_match_a_walk_of_the_entries(operations) -> None:
             catalogue.relocate(held[index], tier, held[index].slot)
     for start in range(0, 300, 25):
         chain = POOL[start : start + 80]
-        assert catalogue.prefix_ranks(NAMESPACE, b"".join(chain)) == walked(catalogue, NAMESPACE, chain)
+        assert catalogue.prefix_ranks(NAMESPACE, chain_keys(b"".join(chain))) == walked(catalogue, NAMESPACE, chain)
 
 
 def links(catalogue: Catalogue) -> dict:
@@ -98,4 +98,4 @@ def test_a_chain_inserted_at_once_is_linked_as_if_inserted_block_by_block(runs) 
         chained_reclassified.clear()
     assert links(chained) == links(one_by_one)
     chain = b"".join(POOL[:60])
-    assert chained.prefix_ranks(NAMESPACE, chain) == one_by_one.prefix_ranks(NAMESPACE, chain)
+    assert chained.prefix_ranks(NAMESPACE, chain_keys(chain)) == one_by_one.prefix_ranks(NAMESPACE, chain_keys(chain))

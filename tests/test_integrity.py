@@ -286,6 +286,28 @@ def test_a_call_that_timed_out_poisons_nothing(start):
     client.close()
 
 
+def test_a_client_that_polls_for_answers_still_waits_for_one_longer_in_coming(start):
+    daemon = start()
+    client = KVStoreClient(daemon.socket, timeout_s=5.0, spin_s=0.001)
+    digest = client.register_namespace(NAMESPACE)
+    assert save(client, digest, chain(30, 4)) == 4
+    daemon.process.send_signal(signal.SIGSTOP)  # the answer comes long after the poll gave up
+    resume = threading.Timer(0.3, daemon.process.send_signal, (signal.SIGCONT,))
+    resume.start()
+    try:
+        started = time.monotonic()
+        assert client.lookup(digest, chain(30, 6)).num_blocks == 4
+        assert time.monotonic() - started >= 0.25
+    finally:
+        resume.join()
+        daemon.process.send_signal(signal.SIGCONT)
+    assert load_intact(client, digest, chain(30, 4)) == (4, True)
+    client.close()
+    for bad in (-1e-6, 0.5, float("nan")):
+        with pytest.raises(InvalidArgument, match="spin_s"):
+            KVStoreClient(daemon.socket, spin_s=bad)
+
+
 def test_the_async_client_matches_answers_too(start):
     from kvstore.client import AsyncKVStoreClient
 

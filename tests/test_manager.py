@@ -401,6 +401,27 @@ def test_lookup_holds_keep_what_a_lookup_counted_until_released_or_expired():
     assert manager.lookup(NS, held) == []
 
 
+def test_the_last_hold_in_one_namespace_ends_there_only():
+    """The end of a namespace's last hold lets its blocks go at once, those eviction had
+    passed over included, and leaves another namespace's held blocks held."""
+    other = Namespace("tiny-llama", LAYOUT, tp_rank=1, tp_size=2)
+    manager = make_manager(host_blocks=8)
+    manager.register_namespace(other)
+    held = chain(1, 2)
+    manager.put(NS, held, blocks_for(1, 2))
+    manager.put(other.digest, held, blocks_for(2, 2))
+    hold_id, ranks = manager.lookup_held([NS, other.digest], b"".join(held), ttl_s=10)
+    assert hold_id and ranks == [bytes([TierKind.HOST.rank] * 2)] * 2
+    first = manager.hold_prefixes([(NS, 2)], b"".join(held), ttl_s=10)
+    for seed in range(3, 9):
+        manager.put(NS, chain(seed, 2), blocks_for(seed, 2))  # eviction reaches all four held blocks
+    manager.release_hold(hold_id)  # other's last hold; NS keeps ``first``
+    assert manager.evict(NS, held).num_evicted == 0
+    assert manager.evict(other.digest, held).num_evicted == 2
+    manager.release_hold(first)
+    assert manager.evict(NS, held).num_evicted == 2
+
+
 def test_two_holds_on_one_block_end_with_the_last():
     manager = make_manager(host_blocks=4)
     held = chain(1, 2)

@@ -9,7 +9,8 @@ until the parent is inserted and adopts them.
 
 Beside the entries, a dict per namespace maps each cached block's hash to the rank of its
 tier, so that the longest cached prefix of a chain arriving as one bytes string is found
-in C without a tuple, an entry or an attribute read per block (``prefix_ranks``, the
+in C (split by numpy, ``chain_keys``, then probed) without a tuple, an entry or an
+attribute read per block (``prefix_ranks``, the
 lookup every engine request makes: ~25 µs for 512 blocks against ~65 µs for a walk of
 the entries); every insert, removal and change of tier (``relocate``) goes through here
 and keeps it in step.
@@ -133,14 +134,14 @@ class Catalogue:
         """A snapshot, so callers may insert and remove while iterating."""
         return iter(list(self._entries.values()))
 
-    def prefix_ranks(self, namespace: bytes, chain: bytes) -> bytes:
+    def prefix_ranks(self, namespace: bytes, keys: list[bytes]) -> bytes:
         """The tier rank (``TierKind.rank``) of each block of the longest cached prefix of
-        ``chain`` (16-byte block hashes, concatenated), one byte per block."""
+        the chain ``keys`` (its block hashes, from ``chain_keys``), one byte per block."""
         ranks = self._ranks.get(namespace)
         if ranks is None:
             return b""
-        # numpy splits the chain in C; the dict is probed in C, a miss read as _ABSENT
-        found = bytes(map(ranks.get, chain_keys(chain), itertools.repeat(_ABSENT)))
+        # the dict is probed in C, a miss read as _ABSENT
+        found = bytes(map(ranks.get, keys, itertools.repeat(_ABSENT)))
         end = found.find(_ABSENT)
         return found if end < 0 else found[:end]
 

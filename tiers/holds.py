@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvstore.errors import NotFound
-from kvstore.tiers.catalogue import chain_keys
 from kvstore.tiers.residency import Residency
 
 __all__ = ["LookupHolds"]
@@ -40,12 +39,11 @@ class LookupHolds:
     def holds(self, hold_id: int) -> bool:
         return hold_id in self._held
 
-    def take(self, prefixes: Sequence[tuple[bytes, int]], chain: bytes, ttl_s: float) -> int:
+    def take(self, prefixes: Sequence[tuple[bytes, int]], keys: list[bytes], ttl_s: float) -> int:
         """Hold, per ``(namespace, length)`` of ``prefixes``, the first ``length`` blocks of
-        ``chain`` (concatenated 16-byte hashes) in that namespace; 0 when there is none to
-        hold (nothing to release). Holds are by key (Residency.hold_keys): a block stored
-        again under a held key while the hold lasts is held too."""
-        keys = chain_keys(chain)
+        the chain ``keys`` (its block hashes, from ``chain_keys``) in that namespace; 0 when
+        there is none to hold (nothing to release). Holds are by key (Residency.hold_keys):
+        a block stored again under a held key while the hold lasts is held too."""
         held = [(namespace, keys[:length]) for namespace, length in prefixes if length]
         if not held:
             return 0

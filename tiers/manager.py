@@ -58,7 +58,7 @@ from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.namespace import Namespace
 from kvstore.tier_kind import TIER_BY_RANK, TierKind
 from kvstore.tiers.base import BlockMeta, Tier, TierStats, block_checksum, byte_view
-from kvstore.tiers.catalogue import BlockEntry
+from kvstore.tiers.catalogue import BlockEntry, chain_keys
 from kvstore.tiers.eviction import POLICIES
 from kvstore.tiers.holds import LookupHolds
 from kvstore.tiers.leases import ReadLeases
@@ -170,16 +170,28 @@ class TierManager:
         """``lookup`` of a chain given as its 16-byte block hashes concatenated (as the local
         protocol carries it): the rank (``TierKind.rank``) of each block's tier, one byte
         per block. The hot path of every engine request: no object per block."""
-        self.block_bytes(namespace)
-        if len(chain) % HASH_BYTES:
-            raise InvalidArgument(f"a chain is a whole number of {HASH_BYTES}-byte block hashes, got {len(chain)} bytes.")
-        return self.catalogue.prefix_ranks(namespace, chain)
+        return self.catalogue.prefix_ranks(namespace, self._chain_keys([namespace], chain))
+
+    def lookup_held(self, namespaces: Sequence[bytes], chain: bytes, ttl_s: float) -> tuple[int, list[bytes]]:
+        """``lookup_ranks`` of ``chain`` in each of ``namespaces``, and ``hold_prefixes`` of
+        what each found, with the chain split (and its keys hashed) once: the hold's id (0:
+        nothing held) and the ranks per namespace."""
+        keys = self._chain_keys(namespaces, chain)
+        ranks = [self.catalogue.prefix_ranks(namespace, keys) for namespace in namespaces]
+        return self._holds.take([(namespace, len(found)) for namespace, found in zip(namespaces, ranks)], keys, ttl_s), ranks
 
     def hold_prefixes(self, prefixes: Sequence[tuple[bytes, int]], chain: bytes, ttl_s: float) -> int:
         """Keep the first ``length`` blocks of ``chain`` in each ``(namespace, length)`` of
         ``prefixes`` from eviction for ``ttl_s`` or until ``release_hold``; the hold's id,
         0 when nothing was held (tiers/holds.py)."""
-        return self._holds.take(prefixes, chain, ttl_s)
+        return self._holds.take(prefixes, self._chain_keys([namespace for namespace, _ in prefixes], chain), ttl_s)
+
+    def _chain_keys(self, namespaces: Sequence[bytes], chain: bytes) -> list[bytes]:
+        for namespace in namespaces:
+            self.block_bytes(namespace)  # registered, or NotFound
+        if len(chain) % HASH_BYTES:
+            raise InvalidArgument(f"a chain is a whole number of {HASH_BYTES}-byte block hashes, got {len(chain)} bytes.")
+        return chain_keys(chain)
 
     def release_hold(self, hold_id: int) -> None:
         self._holds.release(hold_id)

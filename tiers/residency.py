@@ -40,6 +40,7 @@ class Residency:
         self.catalogue = Catalogue(self._reclassify)
         self._doomed: set[BlockEntry] = set()
         self._lookup_held: dict[bytes, dict[bytes, int]] = {}  # namespace → block hash → lookup holds on it
+        self._holders: dict[bytes, int] = {}  # namespace → hold_keys calls not yet released
         # reached by eviction while lookup-held (a key dropped and stored again: both entries)
         self._picked_while_held: dict[tuple[bytes, bytes], list[BlockEntry]] = {}
 
@@ -70,13 +71,22 @@ class Residency:
         counts = self._lookup_held.get(namespace)
         if counts is None:  # the usual case: no other hold in this namespace
             self._lookup_held[namespace] = dict.fromkeys(keys, 1)  # a chain's keys are distinct
+            self._holders[namespace] = 1
             return
+        self._holders[namespace] += 1
         for key in keys:
             counts[key] = counts.get(key, 0) + 1
 
     def release_keys(self, namespace: bytes, keys: Sequence[bytes]) -> None:
         counts, picked = self._lookup_held.get(namespace), self._picked_while_held
         if counts is None:
+            return
+        self._holders[namespace] -= 1
+        if not self._holders[namespace]:  # the last hold in this namespace: every count ends at once
+            del self._lookup_held[namespace], self._holders[namespace]
+            for key in [key for key in picked if key[0] == namespace] if picked else ():
+                for entry in picked.pop(key):
+                    self.unhold(entry)
             return
         for key in keys:
             remaining = counts.get(key, 0) - 1  # (a chain that repeats a key was counted once)
@@ -88,7 +98,7 @@ class Residency:
                 for entry in picked.pop((namespace, key), ()):
                     self.unhold(entry)
         if not counts:
-            del self._lookup_held[namespace]
+            del self._lookup_held[namespace], self._holders[namespace]
 
     def lookup_held(self, entry: BlockEntry) -> bool:
         held = self._lookup_held.get(entry.key[0])

@@ -21,6 +21,9 @@ offsets cross the socket:
 (``_Core``): it yields each request it needs answered (or only sent) and is resumed with
 the answer. ``KVStoreClient`` runs them over a blocking socket (engine worker threads),
 ``AsyncKVStoreClient`` over asyncio streams; neither holds a copy of any call's body.
+A blocking call polls for its answer for up to ``spin_s`` (200 µs by default) before it
+sleeps in ``recv``: a lookup is answered in about the time a sleeping reader takes to be
+woken on another CPU.
 
 **Never wrong, never fatal** (DESIGN decisions 12, 14):
 

@@ -51,6 +51,7 @@ class GcPolicy:
         self._started = 0.0
         self._installed = False
         self._frozen = 0
+        self._collecting_all = False
         self._last_full = clock()
         self.full_collections = 0
 
@@ -95,7 +96,11 @@ class GcPolicy:
         """Thaw everything, collect it all (cyclic garbage among objects frozen while they
         were alive), and freeze the survivors again."""
         gc.unfreeze()
-        gc.collect()
+        self._collecting_all = True  # the callback leaves the freeze and its count to this method
+        try:
+            gc.collect()
+        finally:
+            self._collecting_all = False
         gc.freeze()
         self._frozen = gc.get_freeze_count()
         self._last_full = self._clock()
@@ -107,6 +112,6 @@ class GcPolicy:
             return
         if self._observe is not None:
             self._observe(info["generation"], time.perf_counter() - self._started)
-        if self._freeze and info["generation"] == 2:
+        if self._freeze and info["generation"] == 2 and not self._collecting_all:
             self._frozen += sum(len(gc.get_objects(generation)) for generation in range(3))
             gc.freeze()

@@ -20,9 +20,9 @@ the old length an hour instead of one per quarter turnover. ``-1`` keeps CPython
 policy (its pauses are still measured).
 
 Pauses are exported by generation as ``kvstore_gc_pause_seconds`` and the frozen count
-as ``kvstore_gc_frozen_objects``: kept as freezes add to it, since counting the frozen
-objects walks them all (``gc.get_freeze_count``: ~20 ms for two million, which the
-daemon's loop would pay at every metrics refresh).
+as ``kvstore_gc_frozen_objects``, as counted at the last whole-heap collection: counting
+the frozen objects walks them all (``gc.get_freeze_count``: ~20 ms for two million, which
+the daemon's loop would pay at every metrics refresh).
 """
 
 from __future__ import annotations
@@ -79,10 +79,11 @@ class GcPolicy:
 
     @property
     def frozen_objects(self) -> int:
-        """Objects frozen: counted afresh at each whole-heap collection, and added to by
-        each freeze after a generation-2 collection (what it moves, which that collection
-        has just walked). Frozen objects freed since are subtracted only at the next
-        whole-heap collection: ``gc.get_freeze_count`` walks every frozen object."""
+        """Objects frozen, as counted at the last whole-heap collection (at install, then
+        every ``full_interval_s``): ``gc.get_freeze_count`` walks every frozen object, so it
+        is called only where the heap is walked anyway. Objects frozen after a
+        generation-2 collection since then are not counted: listing them
+        (``gc.get_objects``) would add a third to that collection's pause."""
         return self._frozen
 
     def housekeeping(self) -> bool:
@@ -113,5 +114,4 @@ class GcPolicy:
         if self._observe is not None:
             self._observe(info["generation"], time.perf_counter() - self._started)
         if self._freeze and info["generation"] == 2 and not self._collecting_all:
-            self._frozen += sum(len(gc.get_objects(generation)) for generation in range(3))
             gc.freeze()

@@ -175,7 +175,7 @@ class _RequestPath(Collector):
         yield _histogram(pauses, self.gc_pauses, _GC_BOUNDS)
         yield GaugeMetricFamily(
             "kvstore_gc_frozen_objects",
-            "Objects moved out of the collector's reach (kvstore/gcpolicy.py); freed ones are subtracted at each whole-heap collection.",
+            "Objects moved out of the collector's reach (kvstore/gcpolicy.py), as counted at the last whole-heap collection.",
             value=self.gc_frozen,
         )
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvstore.hashing import chain_hashes
 from kvstore.tier_kind import TierKind
-from kvstore.tiers.catalogue import BlockEntry, Catalogue, chain_keys
+from kvstore.tiers.catalogue import BlockEntry, Catalogue, RecentChains, chain_keys
 from kvstore.tiers.slab import Slot
 
 NAMESPACE, OTHER = b"n" * 16, b"o" * 16
@@ -99,3 +99,32 @@ def test_a_chain_inserted_at_once_is_linked_as_if_inserted_block_by_block(runs) 
     assert links(chained) == links(one_by_one)
     chain = b"".join(POOL[:60])
     assert chained.prefix_ranks(NAMESPACE, chain_keys(chain)) == one_by_one.prefix_ranks(NAMESPACE, chain_keys(chain))
+
+
+# chains that share prefixes of any length: a block of a chain is POOL[i] for i < its
+# branch point, else a hash of (branch, i), as sessions on one system prompt and their turns are
+BRANCHES = [chain_hashes(np.arange(16 * 40) + 1_000_000 * (branch + 1), 16) for branch in range(4)]
+
+
+def branched(branch: int, split: int, length: int) -> bytes:
+    return b"".join(POOL[:split] + BRANCHES[branch][split:length])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40), st.integers(0, 40)), max_size=40), st.integers(1, 120))
+def test_recent_chains_give_exactly_the_keys_of_each_chain(lookups, max_blocks) -> None:
+    recent = RecentChains(max_blocks=max_blocks)
+    for branch, split, length in lookups:
+        chain = branched(branch, min(split, length), length)
+        assert list(recent.keys(chain)) == chain_keys(chain)
+        assert recent._held <= max_blocks
+
+
+def test_a_chain_that_shares_a_prefix_reuses_its_key_objects() -> None:
+    recent = RecentChains()
+    first = recent.keys(branched(0, 20, 30))
+    again = recent.keys(branched(1, 20, 35))  # another session on the same 20-block prefix
+    assert again[:20] == first[:20] and all(a is b for a, b in zip(again[:20], first[:20]))
+    assert again[20:] == tuple(BRANCHES[1][20:35]) and again[20] is not first[20]
+    longer = recent.keys(branched(1, 20, 40))  # its next turn: 35 blocks shared
+    assert all(a is b for a, b in zip(longer[:35], again))

@@ -30,7 +30,7 @@ from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.tier_kind import TierKind
 from kvstore.tiers.slab import Slot
 
-__all__ = ["BlockKey", "BlockEntry", "Catalogue"]
+__all__ = ["BlockKey", "BlockEntry", "Catalogue", "RecentChains", "chain_keys"]
 
 _ABSENT = 255  # the rank byte of a block not cached (no tier has this rank)
 _HASHES = np.dtype(f"V{HASH_BYTES}")  # a void dtype keeps trailing zero bytes, which a bytes dtype would strip
@@ -41,6 +41,62 @@ BlockKey = tuple[bytes, BlockHash]  # (namespace digest, chain hash)
 def chain_keys(chain: bytes) -> list[bytes]:
     """The block hashes of a chain given concatenated (split by numpy, in C)."""
     return np.frombuffer(chain, dtype=_HASHES).tolist()
+
+
+class RecentChains:
+    """The block keys of the chains split lately, by their first block, so that a chain
+    sharing a prefix with one of them (the next turn of a session, a session on the same
+    system prompt, the same request looked up again) reuses that prefix's key objects.
+    Their hashes are already taken: a fresh 16-byte key costs ~37 ns to hash, most of a
+    dict probe's ~50 ns, so a repeated 512-block prefix is probed in ~12 µs instead of ~26.
+    The keys are always the chain's own bytes (the shared prefix is found by comparing the
+    bytes); what the catalogue holds for them is probed afresh every time.
+
+    Bounded by ``max_blocks`` keys held in all (least recently used chains go first).
+    Owner: the tier manager's thread; not thread-safe."""
+
+    def __init__(self, max_blocks: int = 1 << 18) -> None:
+        self._max_blocks = max_blocks
+        self._held = 0
+        self._chains: dict[bytes, tuple[bytes, tuple[bytes, ...]]] = {}  # first block → (chain, its keys), oldest first
+
+    def keys(self, chain: bytes) -> Sequence[bytes]:
+        """``chain_keys(chain)``, with the key objects of the prefix it shares with the last
+        chain seen that starts with the same block."""
+        num_blocks = len(chain) // HASH_BYTES
+        if num_blocks < 2 or num_blocks > self._max_blocks:
+            return chain_keys(chain)
+        first = chain[:HASH_BYTES]
+        known = self._chains.pop(first, None)
+        if known is None:
+            keys = tuple(chain_keys(chain))
+        else:
+            self._held -= len(known[1])
+            common = _common_blocks(chain, known[0])
+            keys = known[1][:common]
+            if common < num_blocks:
+                keys += tuple(chain_keys(chain[common * HASH_BYTES :]))
+        self._chains[first] = (chain, keys)
+        self._held += num_blocks
+        while self._held > self._max_blocks:
+            oldest = next(iter(self._chains))
+            self._held -= len(self._chains.pop(oldest)[1])
+        return keys
+
+
+def _common_blocks(a: bytes, b: bytes) -> int:
+    """How many leading 16-byte blocks ``a`` and ``b`` share (their first is known equal)."""
+    end = min(len(a), len(b)) // HASH_BYTES
+    if a[: end * HASH_BYTES] == b[: end * HASH_BYTES]:  # one extends the other: the usual case
+        return end
+    low, high = 1, end - 1  # a[:low] blocks are equal; a[:high + 1] blocks are not
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[: middle * HASH_BYTES] == b[: middle * HASH_BYTES]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 class BlockEntry:
@@ -134,7 +190,7 @@ class Catalogue:
         """A snapshot, so callers may insert and remove while iterating."""
         return iter(list(self._entries.values()))
 
-    def prefix_ranks(self, namespace: bytes, keys: list[bytes]) -> bytes:
+    def prefix_ranks(self, namespace: bytes, keys: Sequence[bytes]) -> bytes:
         """The tier rank (``TierKind.rank``) of each block of the longest cached prefix of
         the chain ``keys`` (its block hashes, from ``chain_keys``), one byte per block."""
         ranks = self._ranks.get(namespace)

@@ -31,7 +31,7 @@ class LookupHolds:
         self._residency = residency
         self._new_id = new_id  # shared with reservations and leases: no two handles are equal
         self._clock = clock
-        self._held: dict[int, tuple[float, list[tuple[bytes, list[bytes]]]]] = {}  # id → (deadline, keys per namespace)
+        self._held: dict[int, tuple[float, list[tuple[bytes, Sequence[bytes]]]]] = {}  # id → (deadline, keys per namespace)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -39,7 +39,7 @@ class LookupHolds:
     def holds(self, hold_id: int) -> bool:
         return hold_id in self._held
 
-    def take(self, prefixes: Sequence[tuple[bytes, int]], keys: list[bytes], ttl_s: float) -> int:
+    def take(self, prefixes: Sequence[tuple[bytes, int]], keys: Sequence[bytes], ttl_s: float) -> int:
         """Hold, per ``(namespace, length)`` of ``prefixes``, the first ``length`` blocks of
         the chain ``keys`` (its block hashes, from ``chain_keys``) in that namespace; 0 when
         there is none to hold (nothing to release). Holds are by key (Residency.hold_keys):

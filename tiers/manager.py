@@ -58,7 +58,7 @@ from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.namespace import Namespace
 from kvstore.tier_kind import TIER_BY_RANK, TierKind
 from kvstore.tiers.base import BlockMeta, Tier, TierStats, block_checksum, byte_view
-from kvstore.tiers.catalogue import BlockEntry, chain_keys
+from kvstore.tiers.catalogue import BlockEntry, RecentChains
 from kvstore.tiers.eviction import POLICIES
 from kvstore.tiers.holds import LookupHolds
 from kvstore.tiers.leases import ReadLeases
@@ -123,6 +123,7 @@ class TierManager:
         )
         self._leases = ReadLeases(self._stack, self._residency, self._mover, self.counters, self._new_id, clock)
         self._holds = LookupHolds(self._residency, self._new_id, clock)
+        self._recent_chains = RecentChains()  # lookups reuse the key objects of recent chains' shared prefixes
         self._namespaces: dict[bytes, Namespace | None] = {}
         self._block_bytes: dict[bytes, int] = {}
         for tier in tiers:
@@ -186,12 +187,12 @@ class TierManager:
         0 when nothing was held (tiers/holds.py)."""
         return self._holds.take(prefixes, self._chain_keys([namespace for namespace, _ in prefixes], chain), ttl_s)
 
-    def _chain_keys(self, namespaces: Sequence[bytes], chain: bytes) -> list[bytes]:
+    def _chain_keys(self, namespaces: Sequence[bytes], chain: bytes) -> Sequence[bytes]:
         for namespace in namespaces:
             self.block_bytes(namespace)  # registered, or NotFound
         if len(chain) % HASH_BYTES:
             raise InvalidArgument(f"a chain is a whole number of {HASH_BYTES}-byte block hashes, got {len(chain)} bytes.")
-        return chain_keys(chain)
+        return self._recent_chains.keys(chain)
 
     def release_hold(self, hold_id: int) -> None:
         self._holds.release(hold_id)

@@ -3,7 +3,9 @@
     python -m bench.daemon [--quick] [--json] [--remote-fetch-only]
 
 - lookup round trip of 512 block keys over the local protocol, p50/p99 (target: p50 ≤
-  100 µs), next to the same lookup by a client that sleeps in recv at once (``spin_s`` 0;
+  100 µs; the same chain each time, as a scheduler looks up a waiting request or the next
+  turn of a session), next to a lookup of a chain the daemon has not seen (every key
+  hashed afresh), the same lookup by a client that sleeps in recv at once (``spin_s`` 0;
   the default client polls for its answer for up to 200 µs first), the same lookup holding
   the blocks it finds, as the vLLM scheduler's lookup does (``LOOKUP_HOLD``, the previous
   hold released in the same round trip), and through the gRPC API (why engines do not use
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -407,6 +410,16 @@ def main() -> None:
             samples.append(time.perf_counter() - started)
         assert found.num_blocks == LOOKUP_KEYS
         local_p50, local_p99 = percentiles(samples)
+        # a chain the daemon has not seen: 512 keys it holds none of, a new chain each time,
+        # so every key is hashed afresh (a repeated chain reuses the key objects of the last
+        # lookup, tiers/catalogue.RecentChains)
+        unseen = [[os.urandom(16) for _ in range(LOOKUP_KEYS)] for _ in range(lookups)]
+        unseen_samples = []
+        for chain in unseen:
+            started = time.perf_counter()
+            client.lookup(lookup_digest, chain)
+            unseen_samples.append(time.perf_counter() - started)
+        unseen_p50, unseen_p99 = percentiles(unseen_samples)
         sleeping_samples = []
         with KVStoreClient(state["socket"], spin_s=0.0) as sleeper:  # sleeps in recv at once
             for _ in range(lookups):
@@ -479,6 +492,8 @@ def main() -> None:
         "lookup_keys": LOOKUP_KEYS,
         "local_lookup_p50_us": local_p50 * 1e6,
         "local_lookup_p99_us": local_p99 * 1e6,
+        "unseen_lookup_p50_us": unseen_p50 * 1e6,
+        "unseen_lookup_p99_us": unseen_p99 * 1e6,
         "sleeping_lookup_p50_us": sleeping_p50 * 1e6,
         "sleeping_lookup_p99_us": sleeping_p99 * 1e6,
         "raw_round_trip_sleeping_p50_us": raw["sleeping"],
@@ -501,6 +516,7 @@ def main() -> None:
         ["path", "p50", "p99"],
         [
             ["local socket (the client polls for its answer, spin_s 200 µs)", result["local_lookup_p50_us"], result["local_lookup_p99_us"]],
+            ["local socket, a chain not seen before (none of it cached)", result["unseen_lookup_p50_us"], result["unseen_lookup_p99_us"]],
             ["local socket, the client sleeping in recv (spin_s 0)", result["sleeping_lookup_p50_us"], result["sleeping_lookup_p99_us"]],
             ["local socket, holding what it finds (LOOKUP_HOLD)", result["held_lookup_p50_us"], result["held_lookup_p99_us"]],
             ["gRPC", result["grpc_lookup_p50_us"], result["grpc_lookup_p99_us"]],
@@ -526,6 +542,7 @@ def main() -> None:
     )
     report.ratio("lookup_512_p50_us", result["local_lookup_p50_us"], "<= 100")
     report.ratio("lookup_512_p99_us", result["local_lookup_p99_us"])
+    report.ratio("unseen_lookup_512_p50_us", result["unseen_lookup_p50_us"])
     report.ratio("grpc_lookup_512_p50_us", result["grpc_lookup_p50_us"])
     remote_fetches(report, args.quick)
     lag = loop_lag(25_000 if args.quick else 100_000)

@@ -2,8 +2,9 @@
 
 The first touch of each 4 KiB page of a fresh mapping costs a page fault: for the host
 tier's file, the daemon's first touch also zeroes the page that ``posix_fallocate``
-reserved (~0.45 s per GiB here), and each engine's mapping takes its own faults (~0.12 s
-per GiB) — a fresh daemon's first save ran at ~2 GB/s against ~10 GB/s once warm.
+reserved (~0.45 s per GiB here, ~1.6 s where the VM's memory is backed by the hypervisor
+only at first touch), and each engine's mapping takes its own faults (~0.12 s per GiB) —
+a fresh daemon's first save ran at ~2 GB/s against ~10 GB/s once warm.
 ``madvise(MADV_POPULATE_WRITE)`` (Linux ≥ 5.14) maps the pages in, writable, without
 reading or writing a byte of them, so it may run while the mapping is in use: a part
 within a time budget where the mapping is opened, the rest on a helper thread, in 64 MiB

@@ -47,7 +47,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -331,6 +333,17 @@ def raw_socket_seconds(total: int, repeats: int) -> float:
     return asyncio.run(run())
 
 
+def latency_percentiles(call: Callable[[Any], object], arguments: Iterable[Any]) -> tuple[float, float]:
+    """p50 and p99 seconds of ``call(argument)`` for each of ``arguments``, each argument
+    made before its call is timed."""
+    samples = []
+    for argument in arguments:
+        started = time.perf_counter()
+        call(argument)
+        samples.append(time.perf_counter() - started)
+    return percentiles(samples)
+
+
 def percentiles(samples: list[float]) -> tuple[float, float]:
     ordered = sorted(samples)
     return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
@@ -403,52 +416,31 @@ def main() -> None:
         lookup_digest = client.register_namespace(LOOKUP_NAMESPACE)
         keys = chain_hashes(np.arange(LOOKUP_KEYS * 16), 16)
         client.save(lookup_digest, keys, [torch.zeros(LOOKUP_NAMESPACE.block_bytes, dtype=torch.uint8)] * LOOKUP_KEYS)
-        samples = []
-        for _ in range(lookups):
-            started = time.perf_counter()
-            found = client.lookup(lookup_digest, keys)
-            samples.append(time.perf_counter() - started)
-        assert found.num_blocks == LOOKUP_KEYS
-        local_p50, local_p99 = percentiles(samples)
-        # a chain the daemon has not seen: 512 keys it holds none of, a new chain each time,
-        # so every key is hashed afresh (a repeated chain reuses the key objects of the last
-        # lookup, tiers/catalogue.RecentChains)
-        unseen = [[os.urandom(16) for _ in range(LOOKUP_KEYS)] for _ in range(lookups)]
-        unseen_samples = []
-        for chain in unseen:
-            started = time.perf_counter()
-            client.lookup(lookup_digest, chain)
-            unseen_samples.append(time.perf_counter() - started)
-        unseen_p50, unseen_p99 = percentiles(unseen_samples)
-        sleeping_samples = []
+        local_p50, local_p99 = latency_percentiles(lambda _: client.lookup(lookup_digest, keys), range(lookups))
+        assert client.lookup(lookup_digest, keys).num_blocks == LOOKUP_KEYS
+        # a chain the daemon has not seen: 512 keys it holds none of, a new chain each time
+        # (made before its call is timed), so every key is hashed afresh (a repeated chain
+        # reuses the key objects of the last lookup, tiers/catalogue.RecentChains)
+        unseen = ([os.urandom(16) for _ in range(LOOKUP_KEYS)] for _ in range(lookups))
+        unseen_p50, unseen_p99 = latency_percentiles(lambda chain: client.lookup(lookup_digest, chain), unseen)
         with KVStoreClient(state["socket"], spin_s=0.0) as sleeper:  # sleeps in recv at once
-            for _ in range(lookups):
-                started = time.perf_counter()
-                sleeper.lookup(lookup_digest, keys)
-                sleeping_samples.append(time.perf_counter() - started)
-        sleeping_p50, sleeping_p99 = percentiles(sleeping_samples)
+            sleeping_p50, sleeping_p99 = latency_percentiles(lambda _: sleeper.lookup(lookup_digest, keys), range(lookups))
         request_frame = localproto.encode_request(1, Op.LOOKUP, (lookup_digest, localproto.pack_hashes(keys)))
         reply_frame = localproto.encode_reply(1, bytes(LOOKUP_KEYS))
         raw = raw_round_trips(len(request_frame), len(reply_frame), lookups)
         # what the vLLM scheduler sends: the lookup holding what it found, the previous
         # request's hold released in the same round trip
-        held_samples, previous = [], []
-        for _ in range(lookups):
-            started = time.perf_counter()
-            held = client.lookup_held([lookup_digest], keys, 30.0, previous)
-            held_samples.append(time.perf_counter() - started)
-            previous = [held.hold_id]
-        client.release_holds(previous)
-        assert held.results[0].num_blocks == LOOKUP_KEYS
-        held_p50, held_p99 = percentiles(held_samples)
-        grpc_samples = []
+        held: list = []
+
+        def held_lookup(_: int) -> None:
+            held[:] = [client.lookup_held([lookup_digest], keys, 30.0, [held[0].hold_id] if held else [])]
+
+        held_p50, held_p99 = latency_percentiles(held_lookup, range(lookups))
+        client.release_holds([held[0].hold_id])
+        assert held[0].results[0].num_blocks == LOOKUP_KEYS
         with connect(state["grpc_address"]) as api:
             request = pb.LookupRequest(namespace_id=lookup_digest, block_hashes=pb.BlockHashes(hashes=keys))
-            for _ in range(lookups // 5):
-                started = time.perf_counter()
-                api.store.Lookup(request)
-                grpc_samples.append(time.perf_counter() - started)
-        grpc_p50, grpc_p99 = percentiles(grpc_samples)
+            grpc_p50, grpc_p99 = latency_percentiles(lambda _: api.store.Lookup(request), range(lookups // 5))
 
         # data path: distinct blocks, steady state (buffers already touched)
         src = torch.empty(total, dtype=torch.uint8).random_(0, 256)

@@ -174,8 +174,9 @@ class Node:
     def lookup_ranks(self, digest: bytes, chain: bytes) -> bytes:
         """``lookup`` of a chain of concatenated 16-byte hashes, as tier ranks (one byte per
         block): the engines' hot path, with no object per block."""
-        self._check_count(len(chain) // HASH_BYTES)
-        return self._counted(digest, self.manager.lookup_ranks(digest, chain), len(chain) // HASH_BYTES)
+        num_asked = len(chain) // HASH_BYTES
+        self._check_count(num_asked)
+        return self._counted(digest, self.manager.lookup_ranks(digest, chain), num_asked)
 
     def _counted(self, digest: bytes, ranks: bytes, num_asked: int) -> bytes:
         """A lookup's hits and misses, in the metrics and the node's counts."""
@@ -201,10 +202,11 @@ class Node:
         if not 0 < hold_s <= MAX_HOLD_S:
             raise InvalidArgument(f"a lookup hold lasts more than 0 and at most {MAX_HOLD_S:g} seconds, got {hold_s:g}.")
         self.release_holds(session_id, release)
-        self._check_count(len(chain) // HASH_BYTES)
+        num_asked = len(chain) // HASH_BYTES
+        self._check_count(num_asked)
         hold_id, ranks = self.manager.lookup_held(digests, chain, hold_s)
         for digest, found in zip(digests, ranks):
-            self._counted(digest, found, len(chain) // HASH_BYTES)
+            self._counted(digest, found, num_asked)
         if hold_id:
             session.holds.add(hold_id)
             self._hold_sessions[hold_id] = session_id

@@ -11,6 +11,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -153,6 +154,30 @@ def test_restart_recovers_exactly_the_blocks_written(tmp_path):
             assert slot.offset not in taken
 
 
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_restart_reads_each_slot_once_with_the_next_slots_head(tmp_path, monkeypatch, direct_io):
+    """The head checksum costs no extra read at start: each trailer is read with the head
+    of the slot after it, the first slot's head with the page header."""
+    config = make_config(tmp_path, direct_io=direct_io)
+    with NvmeTier(config) as tier:
+        written = [put(tier, index, 200_000) for index in range(3)]
+        slot_bytes = written[0][0].nbytes
+    slots_per_page = (config.page_bytes - 4096) // slot_bytes
+    calls = record_io(monkeypatch)
+    with NvmeTier(config) as tier:
+        assert [entry[:2] for entry in tier.recovered()] == [(slot, meta) for slot, meta, _ in written]
+    reads = sorted(call[1:3] for call in calls if call[0] == "read")  # (position in its file, bytes)
+    if direct_io:
+        reads.remove((0, 4096))  # opening the first file probes whether O_DIRECT reads work there
+    pages = config.capacity_bytes // config.page_bytes
+    # every page: its header with the first slot's head; the others hold no header
+    assert sorted(read for read in reads if read[0] % config.page_bytes == 0) == sorted(
+        (page * config.page_bytes % config.file_bytes, 8192) for page in range(pages)
+    )
+    trailers = [((index + 1) * slot_bytes, 8192 if index + 1 < slots_per_page else 4096) for index in range(slots_per_page)]
+    assert [read for read in reads if read[0] % config.page_bytes] == trailers  # then each trailer with the next head
+
+
 def test_freed_blocks_do_not_come_back_after_restart(tmp_path):
     with NvmeTier(make_config(tmp_path)) as tier:
         written = [put(tier, index, 100_000) for index in range(6)]
@@ -192,16 +217,17 @@ class Crash(BaseException):
     """Stands for the process dying: nothing after it runs, no cleanup handler catches it."""
 
 
-def crash_after_half_of_a_block_write(real_pwritev):
-    """A pwritev that, for a block write (more than 4 KiB), writes the first half of its
-    bytes and dies: what a kill that cuts a buffered write short leaves."""
+def crash_after_half_of_a_block_write(real_pwritev, cut=lambda total: total // 2 // 4096 * 4096):
+    """A pwritev that, for a block write (more than 4 KiB), writes the first ``cut(total)``
+    of its bytes (by default half, in whole 4 KiB pages) and dies: what a kill that cuts a
+    buffered write short leaves."""
     prefix = runpy.run_path(str(WRITER))["prefix"]
 
     def pwritev(fd, buffers, offset):
         total = sum(len(buffer) for buffer in buffers)
         if total <= 4096:
             return real_pwritev(fd, buffers, offset)
-        real_pwritev(fd, prefix(buffers, total // 2 // 4096 * 4096), offset)
+        real_pwritev(fd, prefix(buffers, cut(total)), offset)
         raise Crash()
 
     return pwritev
@@ -228,8 +254,12 @@ def test_a_trailer_left_by_an_earlier_size_class_is_not_resurrected(tmp_path, mo
         assert tier.num_dropped_at_start == 1
 
 
+CUTS = {"half": lambda total: total // 2 // 4096 * 4096, "first-4k": lambda total: 4096, "all-but-trailer": lambda total: total - 4096}
+
+
+@pytest.mark.parametrize("cut", sorted(CUTS))
 @pytest.mark.parametrize("sync_writes", [False, True])
-def test_a_reused_slot_whose_trailer_could_not_be_cleared_never_shows_the_old_block(tmp_path, monkeypatch, sync_writes):
+def test_a_reused_slot_whose_trailer_could_not_be_cleared_never_shows_the_old_block(tmp_path, monkeypatch, sync_writes, cut):
     config = make_config(tmp_path, sync_writes=sync_writes)
     with NvmeTier(config) as tier:
         slot, _, _ = put(tier, 0, 50_000)
@@ -240,10 +270,12 @@ def test_a_reused_slot_whose_trailer_could_not_be_cleared_never_shows_the_old_bl
         assert tier.allocate(50_000) == slot
         meta, data = make_block(1, 50_000)
         with monkeypatch.context() as patch, pytest.raises(Crash):
-            patch.setattr(os, "pwritev", crash_after_half_of_a_block_write(os.pwritev))
-            tier.write(slot, data, meta)  # half of the new bytes lie under the old trailer
+            patch.setattr(os, "pwritev", crash_after_half_of_a_block_write(os.pwritev, CUTS[cut]))
+            tier.write(slot, data, meta)  # some of the new bytes lie under the old trailer
     with NvmeTier(config) as tier:
         assert tier.recovered() == []
+        # without sync_writes the old trailer is still there, and its head checksum voids it
+        assert tier.num_dropped_at_start == (0 if sync_writes else 1)
 
 
 def test_a_stale_trailer_never_comes_back_when_its_page_is_carved_again(tmp_path, monkeypatch):
@@ -576,6 +608,64 @@ def test_a_block_is_one_write_that_ends_with_its_trailer(tmp_path, monkeypatch, 
         tier.read(slot, dst, meta)
         assert calls[1:] == [("read", slot.offset, slot.nbytes, dst.data_ptr())]
         assert torch.equal(dst, data)
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_reused_slot_is_one_write_even_while_its_old_trailer_is_on_disk(tmp_path, monkeypatch, direct_io):
+    """Without sync_writes, a slot freed and taken again before its trailer was zeroed (or
+    whose zeroing failed) gets no zeroing write first: the new block is still one write,
+    and the old trailer is voided by the new bytes at the slot's head."""
+    with NvmeTier(make_config(tmp_path, direct_io=direct_io)) as tier:
+        slot, old_meta, _ = put(tier, 0, 100_000)
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "pwritev", fail_clearing(os.pwritev))
+            tier.free(slot)  # the old block's trailer stays on disk
+            tier.wait_freed()
+        assert tier.allocate(100_000) == slot
+        meta, data = make_block(1, 100_000)
+        calls = record_io(monkeypatch)
+        tier.write(slot, data, meta)
+        assert calls == [("write", slot.offset, slot.nbytes, True)]
+        assert torch.equal(read_back(tier, slot, meta), data)
+        with pytest.raises(CorruptBlock):
+            read_back(tier, slot, old_meta)
+    with NvmeTier(make_config(tmp_path, direct_io=direct_io)) as tier:
+        assert [entry[:2] for entry in tier.recovered()] == [(slot, meta)]
+
+
+def test_a_slot_taken_again_before_its_zeroing_ran_is_written_once(tmp_path, monkeypatch):
+    config = make_config(tmp_path, io_threads=1)
+    with NvmeTier(config) as tier:
+        slot, old_meta, _ = put(tier, 0, 100_000)
+        gate = threading.Event()
+        tier._executor.submit(gate.wait)  # holds the one I/O thread: the zeroing waits behind it
+        calls = record_io(monkeypatch)
+        tier.free(slot)
+        assert tier.allocate(100_000) == slot
+        gate.set()
+        tier.wait_freed()  # the zeroing's turn comes before the write, and it is skipped
+        meta, data = make_block(1, 100_000)
+        tier.write(slot, data, meta)
+        assert calls == [("write", slot.offset, slot.nbytes, True)]  # no zeroing, by the pool or by the write
+        with pytest.raises(CorruptBlock):
+            read_back(tier, slot, old_meta)
+    with NvmeTier(config) as tier:
+        assert [entry[:2] for entry in tier.recovered()] == [(slot, meta)]
+
+
+def test_a_slot_taken_again_and_freed_unwritten_is_still_zeroed(tmp_path):
+    config = make_config(tmp_path, io_threads=1)
+    with NvmeTier(config) as tier:
+        slot, _, _ = put(tier, 0, 100_000)
+        gate = threading.Event()
+        tier._executor.submit(gate.wait)
+        tier.free(slot)
+        assert tier.allocate(100_000) == slot  # its zeroing is skipped: a write would void the trailer
+        tier.free(slot)  # but none came
+        gate.set()
+        tier.wait_freed()
+    with NvmeTier(config) as tier:
+        assert tier.recovered() == [] and tier.num_dropped_at_start == 0
 
 
 def test_sync_writes_syncs_the_bytes_before_the_trailer_is_written(tmp_path, monkeypatch):

@@ -21,10 +21,22 @@ completely written, wherever the process is killed. So it goes after them:
   writers, (3) the trailer, so that after a power loss too a valid trailer lies only over
   durable bytes. Nothing syncs after step 3: the newest blocks may be lost, as misses.
 
+A reused slot still holds its last block's trailer until the new one lands. The trailer
+names the XXH3-64 of its slot's first 4 KiB, which the new write replaces first, so a
+write killed partway leaves an old trailer that no longer matches its slot's head, and a
+restart drops it: by default a reused slot is one write too, with no zeroing first. (A
+new block whose first 4 KiB equal the old one's is caught at its first read instead, by
+the payload checksum: a miss, never data.) With ``sync_writes`` the old trailer is zeroed
+before the new bytes are written, and that zeroing is synced with them, so that after a
+power loss no old trailer lies over them either.
+
 ``free`` returns the slot at once and zeroes its trailer in the I/O pool (the owner
-never waits on the disk), so a freed block is not resurrected and no valid trailer lies
-over a slot's next bytes while they land: a write that gets the slot before the zeroing
-ran does it first, and if the zeroing fails, the slot's next write zeroes it first too.
+never waits on the disk), so a freed block is not resurrected. A slot allocated again
+before its zeroing ran skips it: the next write voids the old trailer (with
+``sync_writes`` it zeroes it first, itself), so a full tier that churns makes one write
+per block, not two; until that write lands, a crash may bring the old block back, whole
+(its trailer and bytes untouched) and checked by every read as any block is. If the
+zeroing fails, the slot's next write stands in for it too.
 A page header is written (and synced with ``sync_writes``) before the first slot of each
 carving of its page, with a fresh ``seq``; a restart takes only trailers newer than
 their page header, so none from an earlier carving comes back.
@@ -37,6 +49,7 @@ Threads: ``allocate``, ``free`` and ``stats`` belong to the owner (the tier mana
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
 from collections import defaultdict
@@ -54,6 +67,7 @@ from kvstore.tier_kind import TierKind
 from kvstore.tiers.base import BlockMeta, Tier, TierStats
 from kvstore.tiers.nvme_files import IO_ALIGN, SlotFiles
 from kvstore.tiers.nvme_format import (
+    HEAD_BYTES,
     HEADER_BYTES,
     TRAILER_BYTES,
     PageHeader,
@@ -63,6 +77,7 @@ from kvstore.tiers.nvme_format import (
     decode_slot_trailer,
     encode_page_header,
     encode_slot_trailer,
+    head_checksum,
     looks_like_slot_trailer,
     newest_copies,
 )
@@ -87,9 +102,10 @@ class NvmeTierConfig:
     block must fit in one page with its 4 KiB slot trailer and the page's 4 KiB header.
 
     ``sync_writes`` trades put throughput for power-loss durability. Off (the default),
-    a block is one write, data then trailer, and a killed process never leaves a valid
-    trailer over incomplete bytes; a power loss may, and reads then reject the block as
-    corrupt (a miss), since the cache can always recompute it. On, each block's bytes
+    a block is one write, data then trailer, and a killed process never leaves a trailer
+    that validates at start over incomplete bytes (but for a new block whose first 4 KiB
+    equal the old one's, which its first read rejects); a power loss may, and reads then
+    reject the block as corrupt (a miss), since the cache can always recompute it. On, each block's bytes
     are synced before its trailer is written (three I/Os, the sync shared by concurrent
     writers), so a trailer that survives a power loss describes bytes that did too."""
 
@@ -207,6 +223,11 @@ class NvmeTier(Tier):
             slot = self._allocator.allocate(slot_bytes)
             if slot is not None:
                 self.num_blocks += 1
+                if not self.config.sync_writes and slot in self._clearing and self._clearing[slot] is None:
+                    # freed and taken again before its zeroing ran: the new block's write voids
+                    # the old trailer (its head checksum), so the zeroing is one I/O saved
+                    del self._clearing[slot]
+                    self._uncleared.add(slot)
         return slot
 
     def free(self, slot: Slot) -> None:
@@ -289,10 +310,12 @@ class NvmeTier(Tier):
             with self._lock:
                 seq = self._next_seq
                 self._next_seq += 1
-            if uncleared:  # its old trailer must not lie over the new bytes as they land
+            if uncleared and self.config.sync_writes:
+                # the fdatasync below makes this durable before the new trailer is written;
+                # without sync_writes the head checksum voids the old trailer instead
                 self._files.write(trailer_offset, [self._files.zeros])
             trailer = self._files.header_buffer()
-            encode_slot_trailer(SlotTrailer(meta, slot.offset, stored.size, checksum, seq, flags), trailer)
+            encode_slot_trailer(SlotTrailer(meta, slot.offset, stored.size, checksum, seq, flags, head_checksum(stored)), trailer)
             if self.config.sync_writes:
                 self._files.write_slot(slot.offset, stored, round_up(stored.size, IO_ALIGN), None)
                 self._files.sync(slot.offset)
@@ -393,10 +416,13 @@ class NvmeTier(Tier):
         return sorted((slot, trailer.meta, trailer.payload_checksum) for slot, trailer in newest)
 
     def _scan_page(self, page_index: int) -> tuple[int, PageHeader | None, list[tuple[Slot, SlotTrailer]], list[Slot]]:
-        """(page, its header if valid, slots with a valid trailer, slots to drop)."""
-        buffer = self._files.header_buffer()
-        self._files.read(page_index * self.page_bytes, [buffer])
-        page = decode_page_header(buffer)
+        """(page, its header if valid, slots with a valid trailer, slots to drop). One read
+        per slot: the page header comes with the first slot's head, each trailer with the
+        next slot's head (slots lie end to end after the page header)."""
+        scratch = memoryview(mmap.mmap(-1, 3 * IO_ALIGN))  # aligned, as O_DIRECT needs
+        record, heads = scratch[:IO_ALIGN], (scratch[IO_ALIGN : 2 * IO_ALIGN], scratch[2 * IO_ALIGN :])
+        self._files.read(page_index * self.page_bytes, [record, heads[0]])
+        page = decode_page_header(record)
         if page is None or page.page_index != page_index or page.page_bytes != self.page_bytes:
             return page_index, None, [], []
         slot_bytes = page.slot_bytes
@@ -405,17 +431,22 @@ class NvmeTier(Tier):
         found: list[tuple[Slot, SlotTrailer]] = []
         unusable: list[Slot] = []
         first = page_index * self.page_bytes + HEADER_BYTES
-        for offset in range(first, first + self._allocator.slots_per_page(slot_bytes) * slot_bytes, slot_bytes):
+        num_slots = self._allocator.slots_per_page(slot_bytes)
+        for index in range(num_slots):
+            offset = first + index * slot_bytes
             slot = Slot(offset, slot_bytes)
-            self._files.read(offset + slot_bytes - TRAILER_BYTES, [buffer])
-            trailer = decode_slot_trailer(buffer)
+            head, next_head = heads[index % 2], heads[(index + 1) % 2]
+            self._files.read(offset + slot_bytes - TRAILER_BYTES, [record, next_head] if index + 1 < num_slots else [record])
+            trailer = decode_slot_trailer(record)
             if trailer is None:
-                if looks_like_slot_trailer(buffer):  # torn or corrupt, not merely empty
+                if looks_like_slot_trailer(record):  # torn or corrupt, not merely empty
                     unusable.append(slot)
                 continue
             if (
                 not trailer.fits(offset, slot_bytes)
                 or trailer.seq <= page.seq
+                # a later write into this slot began and never got to its own trailer
+                or xxhash.xxh3_64_intdigest(head[:HEAD_BYTES]) != trailer.head_checksum
                 or (
                     self.config.verify_on_start
                     and self._read_verified(slot, np.empty(trailer.meta.nbytes, np.uint8), trailer.meta) is not None

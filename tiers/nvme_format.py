@@ -9,7 +9,11 @@ over the slot files, ``file_bytes`` per file, so a page never straddles two file
 The data area is the block's size rounded up to 4 KiB, so a raw block fills it and the
 trailer sits at ``slot_offset + slot_bytes - 4096``. The trailer is the slot's commit
 record and comes after the bytes it describes, so that one write in offset order puts it
-last (``tiers/nvme.py`` says why that matters).
+last; and it carries the XXH3-64 of the data area's first 4 KiB (``head_checksum``), so
+that a new write cut short over a reused slot, whose first bytes landed and whose trailer
+did not, leaves the old trailer invalid at start without a zeroing write first
+(``tiers/nvme.py`` says why both matter). A restart reads each trailer with the next
+slot's head in one 8 KiB read (the first slot's head comes with the page header).
 
 Both records are fixed little-endian ``struct`` records (never pickle) at the start of a
 zero-padded 4 KiB block, and each ends with the XXH3-64 of the bytes before it:
@@ -21,7 +25,8 @@ zero-padded 4 KiB block, and each ends with the XXH3-64 of the bytes before it:
                   parent_hash 16s (zeros and FLAG_NO_PARENT when None), slot_offset u64,
                   payload_len u64 (original bytes), stored_len u64 (bytes on disk),
                   payload_checksum u64 (XXH3-64 of the original bytes), seq u64,
-                  checksum u64
+                  head_checksum u64 (XXH3-64 of the data area's first 4 KiB as written,
+                  zero padding included), checksum u64
 
 ``slot_offset`` and ``page_index`` name the place the record was written for, so a record
 that lands somewhere else (a misdirected write) never validates. ``seq`` orders writes:
@@ -33,7 +38,8 @@ Payloads are stored raw or, with FLAG_ZSTD, zstd-compressed; FLAG_SHUFFLE2 means
 bytes were shuffled before compression (all low bytes of the 2-byte elements, then all
 high bytes), which groups the exponent bytes of fp16/bf16 values so zstd finds them.
 Changing any record is a format change: bump FORMAT_VERSION. Version 1 had the slot
-record in front of the data; pages of another version are ignored at start.
+record in front of the data, version 2 no head checksum; pages of another version are
+ignored at start (their space is carved afresh).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER_BYTES",
     "TRAILER_BYTES",
+    "HEAD_BYTES",
     "FLAG_ZSTD",
     "FLAG_SHUFFLE2",
     "FLAG_NO_PARENT",
@@ -64,14 +71,16 @@ __all__ = [
     "decode_slot_trailer",
     "looks_like_slot_trailer",
     "encode_page_header",
+    "head_checksum",
     "decode_page_header",
     "newest_copies",
     "PayloadCodec",
 ]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 HEADER_BYTES = 4096
 TRAILER_BYTES = 4096
+HEAD_BYTES = 4096  # the part of a slot's data area its trailer's head_checksum covers
 
 FLAG_ZSTD = 1
 FLAG_SHUFFLE2 = 2
@@ -79,7 +88,7 @@ FLAG_NO_PARENT = 4
 
 _SLOT_MAGIC = b"KVST"
 _PAGE_MAGIC = b"KVPG"
-_SLOT = struct.Struct(f"<4sHH{HASH_BYTES}s{HASH_BYTES}s{HASH_BYTES}sQQQQQ")
+_SLOT = struct.Struct(f"<4sHH{HASH_BYTES}s{HASH_BYTES}s{HASH_BYTES}sQQQQQQ")
 _PAGE = struct.Struct("<4sHHQQQQ")
 _CHECKSUM = struct.Struct("<Q")
 _NO_PARENT = bytes(HASH_BYTES)
@@ -95,6 +104,7 @@ class SlotTrailer:
     payload_checksum: int
     seq: int
     flags: int
+    head_checksum: int
 
     @property
     def compressed(self) -> bool:
@@ -136,6 +146,7 @@ def encode_slot_trailer(trailer: SlotTrailer, out: memoryview) -> None:
         trailer.stored_len,
         trailer.payload_checksum,
         trailer.seq,
+        trailer.head_checksum,
     )
     _write_record(record, out)
 
@@ -150,14 +161,23 @@ def decode_slot_trailer(buf: memoryview) -> SlotTrailer | None:
     record = _checked_record(buf, _SLOT, _SLOT_MAGIC)
     if record is None:
         return None
-    _, _, flags, namespace, block_hash, parent, offset, payload_len, stored_len, checksum, seq = record
+    _, _, flags, namespace, block_hash, parent, offset, payload_len, stored_len, checksum, seq, head = record
     meta = BlockMeta(
         namespace=namespace,
         block_hash=BlockHash(block_hash),
         parent_hash=None if flags & FLAG_NO_PARENT else BlockHash(parent),
         nbytes=payload_len,
     )
-    return SlotTrailer(meta, offset, stored_len, checksum, seq, flags & ~FLAG_NO_PARENT)
+    return SlotTrailer(meta, offset, stored_len, checksum, seq, flags & ~FLAG_NO_PARENT, head)
+
+
+def head_checksum(stored: np.ndarray) -> int:
+    """XXH3-64 of the first 4 KiB a slot's data area gets when ``stored`` (flat uint8) is
+    written there zero-padded: what a trailer's ``head_checksum`` must match."""
+    head = stored[:HEAD_BYTES]
+    if head.size < HEAD_BYTES:
+        return xxhash.xxh3_64_intdigest(head.tobytes() + bytes(HEAD_BYTES - head.size))
+    return xxhash.xxh3_64_intdigest(head)
 
 
 def encode_page_header(header: PageHeader, out: memoryview) -> None:

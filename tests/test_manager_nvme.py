@@ -55,13 +55,16 @@ def node(tmp_path):
 
 
 def flip_a_byte_of(directory: Path, data: torch.Tensor) -> None:
-    """Corrupt the stored copy of ``data`` in the slot files, wherever the format puts it."""
+    """Corrupt the stored copy of ``data`` in the slot files, wherever the format puts it:
+    a byte past the slot's first 4 KiB where the block has one, so that a restart keeps the
+    block (its trailer's head checksum still matches) and its first read fails its checksum."""
     needle = data[:4096].numpy().tobytes()
+    flipped = 4096 + 100 if data.numel() > 4096 + 100 else 100
     for path in sorted(directory.glob("*.dat")):
         content = bytearray(path.read_bytes())
         at = content.find(needle)
         if at >= 0:
-            content[at + 100] ^= 0xFF
+            content[at + flipped] ^= 0xFF
             path.write_bytes(bytes(content))
             return
     raise AssertionError("the block's bytes were not found in the slot files")

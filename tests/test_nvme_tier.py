@@ -213,6 +213,14 @@ def fail_clearing(real_pwritev, trailer_at: int | None = None):
     return pwritev
 
 
+def free_leaving_its_trailer(tier: NvmeTier, slot: Slot, monkeypatch) -> None:
+    """Free ``slot`` with the zeroing of its trailer failing: the old block's trailer stays on disk."""
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "pwritev", fail_clearing(os.pwritev))
+        tier.free(slot)
+        tier.wait_freed()
+
+
 class Crash(BaseException):
     """Stands for the process dying: nothing after it runs, no cleanup handler catches it."""
 
@@ -263,10 +271,7 @@ def test_a_reused_slot_whose_trailer_could_not_be_cleared_never_shows_the_old_bl
     config = make_config(tmp_path, sync_writes=sync_writes)
     with NvmeTier(config) as tier:
         slot, _, _ = put(tier, 0, 50_000)
-        with monkeypatch.context() as patch:
-            patch.setattr(os, "pwritev", fail_clearing(os.pwritev))
-            tier.free(slot)  # the old block's trailer stays on disk
-            tier.wait_freed()
+        free_leaving_its_trailer(tier, slot, monkeypatch)
         assert tier.allocate(50_000) == slot
         meta, data = make_block(1, 50_000)
         with monkeypatch.context() as patch, pytest.raises(Crash):
@@ -281,10 +286,7 @@ def test_a_reused_slot_whose_trailer_could_not_be_cleared_never_shows_the_old_bl
 def test_a_stale_trailer_never_comes_back_when_its_page_is_carved_again(tmp_path, monkeypatch):
     with NvmeTier(make_config(tmp_path)) as tier:
         slot, _, _ = put(tier, 0, 200_000)
-        with monkeypatch.context() as patch:
-            patch.setattr(os, "pwritev", fail_clearing(os.pwritev))
-            tier.free(slot)  # its trailer stays on disk
-            tier.wait_freed()
+        free_leaving_its_trailer(tier, slot, monkeypatch)
         # the empty page now serves 12 KiB slots, none of whose trailers lies on the stale one
         other, _, _ = put(tier, 1, 8_000)
         assert other.offset == slot.offset and 204_800 % other.nbytes
@@ -617,10 +619,7 @@ def test_a_reused_slot_is_one_write_even_while_its_old_trailer_is_on_disk(tmp_pa
     and the old trailer is voided by the new bytes at the slot's head."""
     with NvmeTier(make_config(tmp_path, direct_io=direct_io)) as tier:
         slot, old_meta, _ = put(tier, 0, 100_000)
-        with monkeypatch.context() as patch:
-            patch.setattr(os, "pwritev", fail_clearing(os.pwritev))
-            tier.free(slot)  # the old block's trailer stays on disk
-            tier.wait_freed()
+        free_leaving_its_trailer(tier, slot, monkeypatch)
         assert tier.allocate(100_000) == slot
         meta, data = make_block(1, 100_000)
         calls = record_io(monkeypatch)

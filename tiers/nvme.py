@@ -67,7 +67,6 @@ from kvstore.tier_kind import TierKind
 from kvstore.tiers.base import BlockMeta, Tier, TierStats
 from kvstore.tiers.nvme_files import IO_ALIGN, SlotFiles
 from kvstore.tiers.nvme_format import (
-    HEAD_BYTES,
     HEADER_BYTES,
     TRAILER_BYTES,
     PageHeader,
@@ -105,9 +104,10 @@ class NvmeTierConfig:
     a block is one write, data then trailer, and a killed process never leaves a trailer
     that validates at start over incomplete bytes (but for a new block whose first 4 KiB
     equal the old one's, which its first read rejects); a power loss may, and reads then
-    reject the block as corrupt (a miss), since the cache can always recompute it. On, each block's bytes
-    are synced before its trailer is written (three I/Os, the sync shared by concurrent
-    writers), so a trailer that survives a power loss describes bytes that did too."""
+    reject the block as corrupt (a miss), since the cache can always recompute it. On,
+    each block's bytes are synced before its trailer is written (three I/Os, the sync
+    shared by concurrent writers), so a trailer that survives a power loss describes
+    bytes that did too."""
 
     directory: Path
     capacity_bytes: int
@@ -223,7 +223,7 @@ class NvmeTier(Tier):
             slot = self._allocator.allocate(slot_bytes)
             if slot is not None:
                 self.num_blocks += 1
-                if not self.config.sync_writes and slot in self._clearing and self._clearing[slot] is None:
+                if not self.config.sync_writes and self._clearing.get(slot, _DONE) is None:
                     # freed and taken again before its zeroing ran: the new block's write voids
                     # the old trailer (its head checksum), so the zeroing is one I/O saved
                     del self._clearing[slot]
@@ -446,7 +446,7 @@ class NvmeTier(Tier):
                 not trailer.fits(offset, slot_bytes)
                 or trailer.seq <= page.seq
                 # a later write into this slot began and never got to its own trailer
-                or xxhash.xxh3_64_intdigest(head[:HEAD_BYTES]) != trailer.head_checksum
+                or head_checksum(np.frombuffer(head, np.uint8)) != trailer.head_checksum
                 or (
                     self.config.verify_on_start
                     and self._read_verified(slot, np.empty(trailer.meta.nbytes, np.uint8), trailer.meta) is not None

@@ -12,7 +12,7 @@
   gRPC); beside them, the floor: a round trip of the same frame sizes over a Unix socket
   between two processes doing no work, the reader sleeping or polling (on a VM a wakeup
   on another CPU costs tens of µs each way);
-- save (reserve → copy into the shared slab, taking each block's XXH3-64 as it is copied →
+- save (reserve → copy into the shared slab, each block's XXH3-64 taken with the copy →
   commit) and load (lease → copy out → release) GB/s of 1 MiB blocks through the daemon,
   against a single-thread memcpy of the same blocks between private tensors in the same
   run; and the save against the same save without the checksums (the same reserve, copy

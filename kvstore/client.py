@@ -6,7 +6,8 @@ offsets cross the socket:
 
 - ``lookup(namespace, hashes)`` → the tier of each block of the longest cached prefix;
 - ``save(namespace, hashes, blocks)``: reserve slots → copy into the mapped slab, taking
-  each block's XXH3-64 as it is copied → commit with the checksums;
+  each block's XXH3-64 with the copy (beside it, on a helper thread, for a large save) →
+  commit with the checksums;
 - ``load(namespace, hashes, into)``: lease the prefix (the daemon first promotes NVMe
   blocks into the slab) → copy out (verified against the writers' checksums where the
   daemon or the caller asks) → release;
@@ -67,7 +68,7 @@ from kvstore.namespace import Namespace
 from kvstore.paths import default_socket_path
 from kvstore.tier_kind import TierKind
 from kvstore.tiers import device
-from kvstore.tiers.base import byte_view, checksums_beside, copy_checksummed
+from kvstore.tiers.base import PARALLEL_HASH_BYTES, byte_view, checksums_beside, copy_all_checksummed, copy_checksummed
 from kvstore.tiers.host import SharedSlab
 from kvstore.tiers.slab import Slot
 
@@ -80,7 +81,6 @@ LAG_GRACE_S = 0.1  # while an answer is overdue, how long a call waits for it be
 # how long a connection may spend mapping the slab's pages in before a helper thread
 # takes over (tiers/prefault.py): the first save of a fresh process runs at warm speed
 _PREFAULT_BUDGET_S = 0.2
-_PARALLEL_HASH_BYTES = 4 * 1024 * 1024  # from here a save hashes on a helper thread beside the copy
 # how long a blocking call polls for its answer before it sleeps in recv: a reader put to
 # sleep is woken tens of µs after its answer lands (~45 µs on a 2-core VM, where a 512-key
 # lookup is answered in ~60 µs), so the calls an engine waits on anyway are answered sooner
@@ -452,23 +452,13 @@ def _checksum(view: torch.Tensor) -> int:
 
 
 def _copy_in(slots: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> list[int]:
-    """Copy each source into its slab slot and return the XXH3-64 of each block.
-
-    Large saves from host memory hash the sources on a helper thread while this one copies
-    them (xxhash releases the GIL; the copy is memory-bound, the hash is not, so on a host
-    with a core to spare the checksums cost almost nothing). Smaller ones copy in
-    cache-sized chunks, each hashed while it is still in cache. A device source is copied
-    (and waited for) first, then hashed in the slab. A checksum of the source that the
-    slot's bytes do not match (a copy gone wrong, a source changed under the copy) is
-    caught wherever the block is verified: a miss, never data."""
-    if all(source.device.type == "cpu" for source in sources) and sum(s.numel() for s in slots) >= _PARALLEL_HASH_BYTES:
-        hashing = checksums_beside([memoryview(source.detach().numpy()) for source in sources])
-        try:
-            for slot, source in zip(slots, sources):
-                ctypes.memmove(slot.data_ptr(), source.data_ptr(), slot.numel())
-        finally:
-            checksums = hashing.result()
-        return checksums
+    """Copy each source into its slab slot and return the XXH3-64 of each block: from host
+    memory as the tiers copy (``copy_all_checksummed``: large batches hashed on a helper
+    thread beside the copy); a device source is copied (and waited for) first, then hashed
+    in the slab. A checksum the slot's bytes do not match is caught wherever the block is
+    verified: a miss, never data."""
+    if all(source.device.type == "cpu" for source in sources):
+        return copy_all_checksummed([slot.data_ptr() for slot in slots], sources)
     checksums = []
     for slot, source in zip(slots, sources):
         if source.device.type != "cpu":
@@ -486,7 +476,7 @@ def _checksums_of(buffers: list[memoryview]) -> list[int]:
 def _checksums_of_slots(views: Sequence[torch.Tensor]) -> list[int]:
     """The XXH3-64 of each slot; many megabytes are hashed half on the helper thread."""
     buffers = [memoryview(view.numpy()) for view in views]
-    if sum(view.numel() for view in views) < _PARALLEL_HASH_BYTES:
+    if sum(view.numel() for view in views) < PARALLEL_HASH_BYTES:
         return _checksums_of(buffers)
     half = len(buffers) // 2
     first = checksums_beside(buffers[:half])

@@ -162,12 +162,23 @@ def test_a_mapping_closed_while_it_is_prefaulted_stops_the_work_and_unmaps():
         tier.close()
 
 
-@pytest.mark.parametrize("nbytes", [4096, 256 * 1024, 1024 * 1024 + 4096])  # one chunk, exactly one, several and a tail
-def test_write_checksummed_lands_every_byte_and_returns_the_checksum_of_what_landed(host_tier, nbytes):
+@pytest.mark.parametrize(
+    "nbytes, count, spare_core",
+    [
+        (4096, 3, True),  # one chunk
+        (256 * 1024, 3, True),  # exactly one
+        (1024 * 1024 + 4096, 3, True),  # several and a tail
+        (1024 * 1024, 5, True),  # a batch past PARALLEL_HASH_BYTES: hashed on the helper thread beside the copy
+        (1024 * 1024, 5, False),  # the same on one core: hashed chunk by chunk after each copy
+    ],
+)
+def test_write_checksummed_lands_every_byte_and_returns_the_checksum_of_what_landed(host_tier, nbytes, count, spare_core, monkeypatch):
+    import kvstore.tiers.base as base_module
     from kvstore.tiers.base import block_checksum
 
-    slots = [host_tier.allocate(nbytes) for _ in range(3)]
-    sources = [pattern(nbytes, seed) for seed in range(3)]
+    monkeypatch.setattr(base_module, "_SPARE_CORE", spare_core)
+    slots = [host_tier.allocate(nbytes) for _ in range(count)]
+    sources = [pattern(nbytes, seed) for seed in range(count)]
     checksums = host_tier.write_checksummed(slots, sources)
     assert checksums == [block_checksum(source) for source in sources]
     for slot, source in zip(slots, sources):

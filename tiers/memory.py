@@ -13,7 +13,7 @@ import torch
 
 from kvstore.errors import BlockSizeMismatch, TierUnavailable
 from kvstore.tier_kind import TierKind
-from kvstore.tiers.base import BlockMeta, Tier, TierStats, block_checksum, byte_view, copy_bytes, copy_checksummed
+from kvstore.tiers.base import BlockMeta, Tier, TierStats, block_checksum, byte_view, copy_all_checksummed, copy_bytes
 from kvstore.tiers.slab import SlabAllocator, Slot, even_page_bytes
 
 __all__ = ["MemoryTier", "VirtualTier", "DEFAULT_PAGE_BYTES"]
@@ -74,19 +74,18 @@ class MemoryTier(_SlabTier):
 
     def write_checksummed(self, slots: Sequence[Slot], sources: Sequence[torch.Tensor]) -> list[int]:
         """Copy each source (a flat uint8 tensor of a block's bytes) into its slot and return
-        the XXH3-64 of each block as it landed. From host memory into host memory the
-        checksum is taken as the bytes are copied (``copy_checksummed``); otherwise the copy
-        is waited for and the bytes are hashed where they are in host memory."""
+        the XXH3-64 of each block. From host memory into host memory the checksums are taken
+        beside the copy (``copy_all_checksummed``); otherwise the copy is waited for and the
+        bytes are hashed where they are in host memory."""
+        for slot, source in zip(slots, sources):
+            if source.numel() > slot.nbytes:
+                raise BlockSizeMismatch(f"a block of {source.numel()} bytes does not fit a {slot.nbytes}-byte slot.")
         base, landed = self._cpu_base, self._cpu_bytes
+        if base is not None and all(source.is_cpu for source in sources):
+            return copy_all_checksummed([base + slot.offset for slot in slots], sources)
         checksums = []
         for slot, source in zip(slots, sources):
-            nbytes = source.numel()
-            if nbytes > slot.nbytes:
-                raise BlockSizeMismatch(f"a block of {nbytes} bytes does not fit a {slot.nbytes}-byte slot.")
-            if landed is not None and source.is_cpu:
-                checksums.append(copy_checksummed(base + slot.offset, landed[slot.offset : slot.offset + nbytes], source.data_ptr()))
-                continue
-            target = self.view(slot, nbytes)
+            target = self.view(slot, source.numel())
             target.copy_(source)  # blocking: the bytes are in place before they are hashed
             checksums.append(block_checksum(target if landed is not None else source.cpu()))
         return checksums

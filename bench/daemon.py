@@ -15,7 +15,10 @@
 - save (reserve → copy into the shared slab, each block's XXH3-64 taken with the copy →
   commit) and load (lease → copy out → release) GB/s of 1 MiB blocks through the daemon,
   against a single-thread memcpy of the same blocks between private tensors in the same
-  run; and the save against the same save without the checksums (the same reserve, copy
+  run (the save copies on one thread, its checksums taken beside it) and the load also
+  against the copy it makes (``tiers.base.copy_all``: a batch of 4 MiB or more is shared
+  with a helper thread where the process has a second core; ``load_vs_memcpy`` divides
+  by this one); and the save against the same save without the checksums (the same reserve, copy
   and commit, checksums sent as zeros: the save path before blocks carried checksums),
   so the checksums' cost is a ratio of its own; and the first save into a fresh daemon
   (started, ready, then saved into at once by a client that has just connected: pages of
@@ -29,8 +32,8 @@
   the promotion, next to both with no promotion running;
 - remote fetch: an engine's ``load(allow_remote=True)`` on one daemon of blocks that only
   a second daemon holds (over TCP, and UCX where ucxx is installed): the peer streams them
-  into the first daemon's host tier, which then copies them out to the engine, all in the
-  timed call. Against the same bytes as one raw socket ``sendall`` between two processes
+  into the first daemon's host tier, then the engine copies them out (as any load copies),
+  all in the timed call. Against the same bytes as one raw socket ``sendall`` between two processes
   (target ≥ 0.8), and against a load of the same blocks once local. ``--remote-fetch-only``
   runs this part alone (the same baseline, the same sizes).
 Every ratio is printed with the two figures it divides.
@@ -65,7 +68,7 @@ from kvstore.layout import KVLayout
 from kvstore.localproto import Op
 from kvstore.namespace import Namespace
 from kvstore.spawn import DaemonProcess, spawn_daemon
-from kvstore.tiers.base import copy_bytes
+from kvstore.tiers.base import copy_all, copy_bytes
 from kvstore.transport.config import TransportConfig
 from kvstore.transport.ucx import import_ucxx
 
@@ -453,7 +456,11 @@ def main() -> None:
         def memcpy() -> float:
             return timed(lambda: [copy_bytes(d, s) for s, d in zip(srcs, dsts)])
 
+        def memcpy_as_loaded() -> float:  # the copy a load makes: half on a helper thread, where there is a second core
+            return timed(lambda: copy_all([(d.data_ptr(), s.data_ptr(), s.numel()) for s, d in zip(srcs, dsts)]))
+
         baseline = best_of(3, memcpy)
+        load_baseline = best_of(3, memcpy_as_loaded)
         dst.zero_()
 
         def save() -> float:
@@ -497,6 +504,7 @@ def main() -> None:
         "block_bytes": LAYOUT.block_bytes,
         "total_bytes": total,
         "memcpy_gbps": gbps(total, baseline),
+        "memcpy_as_loaded_gbps": gbps(total, load_baseline),
         "save_gbps": gbps(total, save_s),
         "cold_save_gbps": gbps(total, cold_save_s),
         "save_without_checksums_gbps": gbps(total, unchecked_s),
@@ -517,18 +525,17 @@ def main() -> None:
         ],
     )
     report.print_table(
-        f"data path, {total // MiB} MiB of 1 MiB blocks (GB/s; baseline: single-thread memcpy of the same blocks)",
-        ["memcpy", "save", "first save, fresh daemon", "save w/o checksums", "load", "save/memcpy", "save/unchecked", "load/memcpy"],
+        f"data path, {total // MiB} MiB of 1 MiB blocks (GB/s; baselines: memcpy of the same blocks on one thread, "
+        "and as a load copies, its batch shared with a helper thread where there is a second core)",
+        ["memcpy", "memcpy as loaded", "save", "first save, fresh daemon", "save w/o checksums", "load"],
         [
             [
                 result["memcpy_gbps"],
+                result["memcpy_as_loaded_gbps"],
                 result["save_gbps"],
                 result["cold_save_gbps"],
                 result["save_without_checksums_gbps"],
                 result["load_gbps"],
-                result["save_gbps"] / result["memcpy_gbps"],
-                result["save_gbps"] / result["save_without_checksums_gbps"],
-                result["load_gbps"] / result["memcpy_gbps"],
             ]
         ],
     )
@@ -555,7 +562,8 @@ def main() -> None:
     report.compare("save_vs_memcpy", result["save_gbps"], result["memcpy_gbps"], "GB/s", ">= 0.7")
     report.compare("cold_save_vs_memcpy", result["cold_save_gbps"], result["memcpy_gbps"], "GB/s", ">= 0.7")
     report.compare("save_vs_save_without_checksums", result["save_gbps"], result["save_without_checksums_gbps"], "GB/s", ">= 0.9")
-    report.compare("load_vs_memcpy", result["load_gbps"], result["memcpy_gbps"], "GB/s", ">= 0.7")
+    report.compare("load_vs_memcpy", result["load_gbps"], result["memcpy_as_loaded_gbps"], "GB/s", ">= 0.7")
+    report.compare("load_vs_single_thread_memcpy", result["load_gbps"], result["memcpy_gbps"], "GB/s")
     report.emit(args.json)
 
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import socket
@@ -68,7 +67,7 @@ from kvstore.namespace import Namespace
 from kvstore.paths import default_socket_path
 from kvstore.tier_kind import TierKind
 from kvstore.tiers import device
-from kvstore.tiers.base import PARALLEL_HASH_BYTES, byte_view, checksums_beside, copy_all_checksummed, copy_checksummed
+from kvstore.tiers.base import PARALLEL_HASH_BYTES, byte_view, checksums_beside, copy_all, copy_all_checksummed, copy_checksummed
 from kvstore.tiers.host import SharedSlab
 from kvstore.tiers.slab import Slot
 
@@ -488,12 +487,14 @@ def _copy_out(targets: Sequence[torch.Tensor], slots: Sequence[torch.Tensor]) ->
     """Copy leased slots into the engine's tensors; copies to a device are waited for
     before this returns, since the lease is released right after."""
     on_device = False
+    copies = []
     for target, slot in zip(targets, slots):
         if target.device.type == "cpu":
-            ctypes.memmove(target.data_ptr(), slot.data_ptr(), slot.numel())
+            copies.append((target.data_ptr(), slot.data_ptr(), slot.numel()))
         else:
             target.copy_(slot, non_blocking=True)
             on_device = True
+    copy_all(copies)  # 4 MiB or more: half of it on the helper thread, where there is a second core
     if on_device:
         torch.cuda.synchronize()
 

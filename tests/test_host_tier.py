@@ -183,3 +183,88 @@ def test_write_checksummed_lands_every_byte_and_returns_the_checksum_of_what_lan
     assert checksums == [block_checksum(source) for source in sources]
     for slot, source in zip(slots, sources):
         assert torch.equal(host_tier.view(slot, nbytes), source)
+
+
+def _guarded_copies(sizes, seed):
+    """A source and a destination buffer with each block's bytes at its own offset and a
+    guard byte after each, and the (destination, source, nbytes) copies between them."""
+    total = sum(size + 1 for size in sizes)
+    source, destination = pattern(total, seed), torch.zeros(total, dtype=torch.uint8)
+    copies, offset = [], 0
+    for size in sizes:
+        copies.append((destination.data_ptr() + offset, source.data_ptr() + offset, size))
+        offset += size + 1
+    return source, destination, copies
+
+
+@pytest.mark.parametrize("spare_core", [True, False])
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [4096, 3],  # small: copied here
+        [MiB] * 5,  # a batch past PARALLEL_COPY_BYTES: half on the helper thread
+        [6 * MiB + 7],  # one block: cut in two
+        [MiB + 1, 5, 3 * MiB - 11, 4097, 2 * MiB],  # the cut inside a block of odd size
+    ],
+)
+def test_copy_all_lands_every_byte_once_and_nothing_beside(sizes, spare_core, monkeypatch):
+    import threading
+
+    import kvstore.tiers.base as base_module
+
+    monkeypatch.setattr(base_module, "_SPARE_CORE", spare_core)
+    threads, copied, copy_each = set(), [], base_module._copy_each
+
+    def counted(copies):
+        threads.add(threading.current_thread().name)
+        copied.extend(nbytes for _, _, nbytes in copies)
+        copy_each(copies)
+
+    monkeypatch.setattr(base_module, "_copy_each", counted)
+    source, destination, copies = _guarded_copies(sizes, seed=len(sizes))
+    base_module.copy_all(copies)
+    offset = 0
+    for size in sizes:
+        assert torch.equal(destination[offset : offset + size], source[offset : offset + size])
+        assert destination[offset + size] == 0  # the guard after it
+        offset += size + 1
+    assert sum(copied) == sum(sizes)  # every byte copied once
+    beside = spare_core and sum(sizes) >= base_module.PARALLEL_COPY_BYTES
+    assert any(name.startswith("kvstore-checksum") for name in threads) == beside
+    assert len(threads) == (2 if beside else 1)
+
+
+def test_a_forked_child_copies_with_a_helper_of_its_own(monkeypatch):
+    """The parent's helper thread does not exist in a forked child: a child that shared a
+    batch of copies or checksums with it would wait forever."""
+    import ctypes
+    import os
+    import time
+
+    import kvstore.tiers.base as base_module
+
+    monkeypatch.setattr(base_module, "_SPARE_CORE", True)
+    source, destination, copies = _guarded_copies([MiB] * 5, seed=1)
+    blocks = [source[offset : offset + MiB] for offset in range(0, 5 * (MiB + 1), MiB + 1)]
+    expected = [base_module.block_checksum(block) for block in blocks]
+    base_module.copy_all(copies)  # the parent's helper thread is started
+    pid = os.fork()
+    if pid == 0:  # the child: no torch calls (its OpenMP pool did not survive the fork either)
+        try:
+            ctypes.memset(destination.data_ptr(), 0, destination.numel())
+            base_module.copy_all(copies)
+            same = all(ctypes.string_at(d, n) == ctypes.string_at(s, n) for d, s, n in copies)
+            checksums = base_module.copy_all_checksummed([d for d, _, _ in copies], blocks)  # a save's copy
+            os._exit(0 if same and checksums == expected else 1)
+        finally:
+            os._exit(2)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child's copy never finished")

@@ -33,6 +33,7 @@ __all__ = [
     "Tier",
     "TierStats",
     "block_checksum",
+    "copy_all",
     "copy_checksummed",
     "copy_all_checksummed",
     "checksums_beside",
@@ -42,6 +43,7 @@ __all__ = [
 
 CHECKSUM_CHUNK_BYTES = 256 * 1024  # copy-and-hash granule: a chunk is still in cache (L2) when it is hashed
 PARALLEL_HASH_BYTES = 4 * 1024 * 1024  # from here a batch is hashed on a helper thread beside its copy
+PARALLEL_COPY_BYTES = 4 * 1024 * 1024  # from here a batch of copies is shared with the helper thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +179,38 @@ def copy_all_checksummed(destinations: Sequence[int], sources: Sequence[torch.Te
     ]
 
 
+def copy_all(copies: Sequence[tuple[int, int, int]]) -> None:
+    """``memmove`` each ``(destination, source, nbytes)`` of host memory.
+
+    A batch of ``PARALLEL_COPY_BYTES`` or more, on a host where this process has a second
+    core, is cut in two halves of equal bytes (a block may be cut in two) and the first is
+    copied on the helper thread while this one copies the second (``ctypes.memmove``
+    releases the GIL): one thread alone moves 9.5-10 GB/s on this 2-core host, two
+    11-14 GB/s (1 MiB blocks, 128 MiB). A smaller batch, or one core, is copied here."""
+    total = sum(nbytes for _, _, nbytes in copies)
+    if not _SPARE_CORE or total < PARALLEL_COPY_BYTES:
+        _copy_each(copies)
+        return
+    first, second, taken = [], [], 0
+    for destination, source, nbytes in copies:
+        share = min(nbytes, max(0, total // 2 - taken))
+        if share:
+            first.append((destination, source, share))
+            taken += share
+        if share < nbytes:
+            second.append((destination + share, source + share, nbytes - share))
+    helping = _checksummer().submit(_copy_each, first)
+    try:
+        _copy_each(second)
+    finally:
+        helping.result()  # the caller may reuse or release every byte once this returns
+
+
+def _copy_each(copies: Sequence[tuple[int, int, int]]) -> None:
+    for destination, source, nbytes in copies:
+        ctypes.memmove(destination, source, nbytes)
+
+
 def bytes_at(address: int, nbytes: int) -> memoryview:
     """A view of ``nbytes`` of host memory at ``address`` (~0.3 µs; a tensor's ``numpy()``
     view costs ~1 µs). The caller keeps the memory alive while the view is used."""
@@ -206,6 +240,7 @@ def checksums_beside(buffers: Sequence[memoryview]) -> Future[list[int]]:
 
 
 def _checksummer() -> ThreadPoolExecutor:
+    """The process's helper thread: checksums and half-batches of copies beside the caller."""
     global _CHECKSUMMER
     with _CHECKSUMMER_LOCK:
         if _CHECKSUMMER is None:
@@ -219,6 +254,16 @@ def _checksums_of(buffers: list[memoryview]) -> list[int]:
 
 _CHECKSUMMER: ThreadPoolExecutor | None = None
 _CHECKSUMMER_LOCK = threading.Lock()
+
+
+def _forget_helper_in_child() -> None:
+    """A forked child has no helper thread (only the parent's executor, whose queue no one
+    would serve): it starts its own on first use."""
+    global _CHECKSUMMER, _CHECKSUMMER_LOCK
+    _CHECKSUMMER, _CHECKSUMMER_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_helper_in_child)
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,9 @@
 # copy engine over every cache layout, pinned slab, per-layer events), the copy engine
 # bench (GB/s against raw cudaMemcpyAsync, overlap with a simulated forward pass) and the
 # transport bench (with UCX, from the carried ucxx wheels, on the machine's many cores),
-# whose overlap figure launches the layers' compute on the GPU. Figures and logs go to
+# whose overlap figure launches the layers' compute on the GPU, and the remote load between
+# two daemons against a raw socket (bench.daemon --remote-fetch-only: on two cores the
+# peer, this daemon and the engine share them; here each has its own). Figures and logs go to
 # $OUT when it is set (the device tool's output folder), else to bench/out/gpu-check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,4 +28,5 @@ status=0
 "$PYTHON" -m bench.gpu_copies --quick --json 2>&1 | tee "$OUT/gpu_copies.log" || status=1
 "$PYTHON" -c "import ucxx" 2>/dev/null || echo "ucxx does not import: the transport bench runs TCP only (make gpu-wheels fetches ucxx)" | tee "$OUT/ucx.txt"
 "$PYTHON" -m bench.transport --quick --json 2>&1 | tee "$OUT/transport.log" || status=1
+"$PYTHON" -m bench.daemon --remote-fetch-only --quick --json 2>&1 | tee "$OUT/remote_fetch.log" || status=1
 exit $status

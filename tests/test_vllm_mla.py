@@ -14,7 +14,7 @@ from daemon_harness import daemons
 from vllm_venv import require_vllm_venv
 
 from bench.vllm_engine import build_model, engine_process
-from bench.vllm_model import MLA_CUSTOM_OPS
+from bench.vllm_model import MLA_CUSTOM_OPS, mla_block_size
 from kvstore.client import KVStoreClient
 from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 require_vllm_venv()
 
-BLOCK = 32
+BLOCK = mla_block_size()  # 32 with AMX, else 16
 PROMPT_TOKENS = 1000
 FULL_HIT = (PROMPT_TOKENS - 1) // BLOCK * BLOCK
 MAX_TOKENS = 16

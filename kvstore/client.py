@@ -67,7 +67,7 @@ from kvstore.namespace import Namespace
 from kvstore.paths import default_socket_path
 from kvstore.tier_kind import TierKind
 from kvstore.tiers import device
-from kvstore.tiers.base import PARALLEL_HASH_BYTES, byte_view, checksums_beside, copy_all, copy_all_checksummed, copy_checksummed
+from kvstore.tiers.base import HELPER_BATCH_BYTES, byte_view, checksums_beside, copy_all, copy_all_checksummed, copy_checksummed
 from kvstore.tiers.host import SharedSlab
 from kvstore.tiers.slab import Slot
 
@@ -475,7 +475,7 @@ def _checksums_of(buffers: list[memoryview]) -> list[int]:
 def _checksums_of_slots(views: Sequence[torch.Tensor]) -> list[int]:
     """The XXH3-64 of each slot; many megabytes are hashed half on the helper thread."""
     buffers = [memoryview(view.numpy()) for view in views]
-    if sum(view.numel() for view in views) < PARALLEL_HASH_BYTES:
+    if sum(view.numel() for view in views) < HELPER_BATCH_BYTES:
         return _checksums_of(buffers)
     half = len(buffers) // 2
     first = checksums_beside(buffers[:half])

@@ -168,7 +168,7 @@ def test_a_mapping_closed_while_it_is_prefaulted_stops_the_work_and_unmaps():
         (4096, 3, True),  # one chunk
         (256 * 1024, 3, True),  # exactly one
         (1024 * 1024 + 4096, 3, True),  # several and a tail
-        (1024 * 1024, 5, True),  # a batch past PARALLEL_HASH_BYTES: hashed on the helper thread beside the copy
+        (1024 * 1024, 5, True),  # a batch past HELPER_BATCH_BYTES: hashed on the helper thread beside the copy
         (1024 * 1024, 5, False),  # the same on one core: hashed chunk by chunk after each copy
     ],
 )
@@ -202,7 +202,7 @@ def _guarded_copies(sizes, seed):
     "sizes",
     [
         [4096, 3],  # small: copied here
-        [MiB] * 5,  # a batch past PARALLEL_COPY_BYTES: half on the helper thread
+        [MiB] * 5,  # a batch past HELPER_BATCH_BYTES: half on the helper thread
         [6 * MiB + 7],  # one block: cut in two
         [MiB + 1, 5, 3 * MiB - 11, 4097, 2 * MiB],  # the cut inside a block of odd size
     ],
@@ -229,8 +229,8 @@ def test_copy_all_lands_every_byte_once_and_nothing_beside(sizes, spare_core, mo
         assert destination[offset + size] == 0  # the guard after it
         offset += size + 1
     assert sum(copied) == sum(sizes)  # every byte copied once
-    beside = spare_core and sum(sizes) >= base_module.PARALLEL_COPY_BYTES
-    assert any(name.startswith("kvstore-checksum") for name in threads) == beside
+    beside = spare_core and sum(sizes) >= base_module.HELPER_BATCH_BYTES
+    assert any(name.startswith("kvstore-helper") for name in threads) == beside
     assert len(threads) == (2 if beside else 1)
 
 

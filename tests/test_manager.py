@@ -351,7 +351,7 @@ def test_a_promotion_whose_reader_went_away_still_finishes_and_leaks_nothing():
     assert all(torch.equal(v, d) for v, d in zip(manager.lease_views(lease), data))
 
 
-@pytest.mark.parametrize("num_blocks, beside", [(8, False), (512, True)])  # 128 KiB, 8 MiB (past PARALLEL_HASH_BYTES)
+@pytest.mark.parametrize("num_blocks, beside", [(8, False), (512, True)])  # 128 KiB, 8 MiB (past HELPER_BATCH_BYTES)
 def test_a_put_commits_each_blocks_checksum_taken_with_its_copy_not_in_a_second_pass(num_blocks, beside, monkeypatch):
     """A small put hashes each chunk right after copying it; a large one hashes the sources
     on the helper thread while this one copies. Neither reads the landed bytes again."""

@@ -34,6 +34,8 @@ PROMPT_TOKENS = 1000
 NUM_BLOCKS = PROMPT_TOKENS // BLOCK
 FULL_HIT = (PROMPT_TOKENS - 1) // BLOCK * BLOCK
 MLA_BLOCK = mla_block_size()  # 32 with AMX, else 16
+MLA_NUM_BLOCKS = PROMPT_TOKENS // MLA_BLOCK
+MLA_FULL_HIT = (PROMPT_TOKENS - 1) // MLA_BLOCK * MLA_BLOCK
 TP2 = {"tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
 
 
@@ -154,6 +156,6 @@ def test_mla_under_two_ranks_stores_one_copy_and_every_rank_loads_it(fleet):
         before = api.admin.Stats(pb.StatsRequest()).num_blocks
     assert serve("tp-mla-a", "mla", [m])["results"][0]["tokens"] == expected
     with connect(daemon.address) as api:
-        assert api.admin.Stats(pb.StatsRequest()).num_blocks - before == PROMPT_TOKENS // MLA_BLOCK  # one copy, not one per rank
+        assert api.admin.Stats(pb.StatsRequest()).num_blocks - before == MLA_NUM_BLOCKS  # one copy, not one per rank
     fresh = serve("tp-mla-b", "mla", [m])["results"][0]
-    assert fresh["num_cached_tokens"] == (PROMPT_TOKENS - 1) // MLA_BLOCK * MLA_BLOCK and fresh["tokens"] == expected
+    assert fresh["num_cached_tokens"] == MLA_FULL_HIT and fresh["tokens"] == expected

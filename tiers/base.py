@@ -42,8 +42,8 @@ __all__ = [
 ]
 
 CHECKSUM_CHUNK_BYTES = 256 * 1024  # copy-and-hash granule: a chunk is still in cache (L2) when it is hashed
-PARALLEL_HASH_BYTES = 4 * 1024 * 1024  # from here a batch is hashed on a helper thread beside its copy
-PARALLEL_COPY_BYTES = 4 * 1024 * 1024  # from here a batch of copies is shared with the helper thread
+# from here a batch is hashed on the helper thread beside its copy, or half of it copied there
+HELPER_BATCH_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +157,7 @@ def copy_all_checksummed(destinations: Sequence[int], sources: Sequence[torch.Te
     """Copy each host-memory source (a flat uint8 tensor) to its destination address and
     return the XXH3-64 of each block.
 
-    A batch of ``PARALLEL_HASH_BYTES`` or more, on a host where this process has a second
+    A batch of ``HELPER_BATCH_BYTES`` or more, on a host where this process has a second
     core, hashes the sources on a helper thread while this one copies them (xxhash and
     ``ctypes.memmove`` release the GIL; the helper builds its own views of the bytes):
     measured ~0.95x a plain memcpy of the same 1 MiB blocks on two cores, against ~0.8x for
@@ -166,8 +166,8 @@ def copy_all_checksummed(destinations: Sequence[int], sources: Sequence[torch.Te
     match (a source changed under the copy) is caught wherever the block is verified: a
     miss, never data."""
     spans = [(source.data_ptr(), source.numel()) for source in sources]
-    if _SPARE_CORE and sum(nbytes for _, nbytes in spans) >= PARALLEL_HASH_BYTES:
-        hashing = _checksummer().submit(_checksums_at, spans)
+    if _SPARE_CORE and sum(nbytes for _, nbytes in spans) >= HELPER_BATCH_BYTES:
+        hashing = _helper().submit(_checksums_at, spans)
         try:
             for destination, (address, nbytes) in zip(destinations, spans):
                 ctypes.memmove(destination, address, nbytes)
@@ -182,13 +182,13 @@ def copy_all_checksummed(destinations: Sequence[int], sources: Sequence[torch.Te
 def copy_all(copies: Sequence[tuple[int, int, int]]) -> None:
     """``memmove`` each ``(destination, source, nbytes)`` of host memory.
 
-    A batch of ``PARALLEL_COPY_BYTES`` or more, on a host where this process has a second
+    A batch of ``HELPER_BATCH_BYTES`` or more, on a host where this process has a second
     core, is cut in two halves of equal bytes (a block may be cut in two) and the first is
     copied on the helper thread while this one copies the second (``ctypes.memmove``
     releases the GIL): one thread alone moves 9.5-10 GB/s on this 2-core host, two
     11-14 GB/s (1 MiB blocks, 128 MiB). A smaller batch, or one core, is copied here."""
     total = sum(nbytes for _, _, nbytes in copies)
-    if not _SPARE_CORE or total < PARALLEL_COPY_BYTES:
+    if not _SPARE_CORE or total < HELPER_BATCH_BYTES:
         _copy_each(copies)
         return
     first, second, taken = [], [], 0
@@ -199,7 +199,7 @@ def copy_all(copies: Sequence[tuple[int, int, int]]) -> None:
             taken += share
         if share < nbytes:
             second.append((destination + share, source + share, nbytes - share))
-    helping = _checksummer().submit(_copy_each, first)
+    helping = _helper().submit(_copy_each, first)
     try:
         _copy_each(second)
     finally:
@@ -236,31 +236,31 @@ def checksums_beside(buffers: Sequence[memoryview]) -> Future[list[int]]:
     releases the GIL: a copy of the same bytes on this thread runs beside it, on a host
     with a core to spare, at almost no cost). The caller keeps the buffers unchanged and
     alive until the future is done."""
-    return _checksummer().submit(_checksums_of, list(buffers))
+    return _helper().submit(_checksums_of, list(buffers))
 
 
-def _checksummer() -> ThreadPoolExecutor:
+def _helper() -> ThreadPoolExecutor:
     """The process's helper thread: checksums and half-batches of copies beside the caller."""
-    global _CHECKSUMMER
-    with _CHECKSUMMER_LOCK:
-        if _CHECKSUMMER is None:
-            _CHECKSUMMER = ThreadPoolExecutor(1, thread_name_prefix="kvstore-checksum")
-    return _CHECKSUMMER
+    global _HELPER
+    with _HELPER_LOCK:
+        if _HELPER is None:
+            _HELPER = ThreadPoolExecutor(1, thread_name_prefix="kvstore-helper")
+    return _HELPER
 
 
 def _checksums_of(buffers: list[memoryview]) -> list[int]:
     return [xxhash.xxh3_64_intdigest(buffer) for buffer in buffers]
 
 
-_CHECKSUMMER: ThreadPoolExecutor | None = None
-_CHECKSUMMER_LOCK = threading.Lock()
+_HELPER: ThreadPoolExecutor | None = None
+_HELPER_LOCK = threading.Lock()
 
 
 def _forget_helper_in_child() -> None:
     """A forked child has no helper thread (only the parent's executor, whose queue no one
     would serve): it starts its own on first use."""
-    global _CHECKSUMMER, _CHECKSUMMER_LOCK
-    _CHECKSUMMER, _CHECKSUMMER_LOCK = None, threading.Lock()
+    global _HELPER, _HELPER_LOCK
+    _HELPER, _HELPER_LOCK = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_helper_in_child)

@@ -34,8 +34,10 @@ import dataclasses
 import json
 import os
 import select
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -76,11 +78,189 @@ def _run_vllm_python(args: list[str], log: Path, timeout_s: float) -> None:
 def engine_process(plan: dict, workdir: Path, name: str, timeout_s: float = 900) -> dict:
     """Serve ``plan`` in a fresh engine process (the vLLM venv's python); returns its report.
     The plan, report and the engine's log are left in ``workdir`` (NAME.json, NAME.report.json,
-    NAME.log)."""
+    NAME.log).
+
+    The process is forked from this process's :class:`ForkServer`, which has imported vLLM
+    once (about 10 s of every start on a small host): the child starts with no engine, no
+    KV and no connector, exactly as a process started from scratch, and exits when its
+    plan is served. ``KVSTORE_ENGINE_FORKSERVER=0`` starts each engine from scratch instead."""
     plan_path, report_path = workdir / f"{name}.json", workdir / f"{name}.report.json"
     plan_path.write_text(json.dumps(plan))
-    _run_vllm_python(["-m", "bench.vllm_engine", str(plan_path), str(report_path)], workdir / f"{name}.log", timeout_s)
+    log = workdir / f"{name}.log"
+    if os.environ.get("KVSTORE_ENGINE_FORKSERVER", "1") == "0":
+        _run_vllm_python(["-m", "bench.vllm_engine", str(plan_path), str(report_path)], log, timeout_s)
+    else:
+        returncode = ForkServer.shared().run([str(plan_path), str(report_path)], log, timeout_s)
+        if returncode != 0:
+            raise EngineFailed(f"engine for {plan_path} exited with {returncode}; log {log}:\n{log.read_text()[-6000:]}")
     return json.loads(report_path.read_text())
+
+
+class ForkServer:
+    """A process of the vLLM venv that has imported vLLM and forks one child per engine
+    (``python -m bench.vllm_engine --forkserver SOCKET``).
+
+    Each :meth:`run` is a connection to its Unix socket: one JSON line asks for a child
+    (``{"argv": [PLAN, REPORT], "env": {...}, "log": PATH}``); the server answers
+    ``{"pid": N}`` once it has forked, and ``{"returncode": RC}`` (negative: the signal
+    that ended it) when it has reaped the child. Children run concurrently. The server
+    exits when the process that started it closes its stdin (or dies)."""
+
+    _shared: ForkServer | None = None
+
+    def __init__(self, timeout_s: float = 300) -> None:
+        self._directory = Path(tempfile.mkdtemp(prefix="kvstore-forkserver-"))
+        self.socket = self._directory / "socket"
+        self.log = self._directory / "forkserver.log"
+        with open(self.log, "w") as log:
+            self._process = subprocess.Popen(
+                [str(VLLM_PYTHON), "-m", "bench.vllm_engine", "--forkserver", str(self.socket)],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=Path(__file__).resolve().parents[1],
+                env={**os.environ, **ENGINE_ENV},
+            )
+        deadline = time.monotonic() + timeout_s
+        while not self.socket.exists():
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise EngineFailed(f"the engine fork server did not start; log {self.log}:\n{self.log.read_text()[-6000:]}")
+            time.sleep(0.1)
+
+    @classmethod
+    def shared(cls) -> ForkServer:
+        """This process's fork server, started on first use (and again if it died); closed at exit."""
+        if cls._shared is None or cls._shared._process.poll() is not None:
+            import atexit
+
+            cls._shared = cls()
+            atexit.register(cls._shared.close)
+        return cls._shared
+
+    def run(self, argv: list[str], log: Path, timeout_s: float) -> int:
+        """Fork a child that runs ``bench.vllm_engine ARGV`` with this process's environment
+        (and ``ENGINE_ENV``), its output in ``log``; its return code once it has exited.
+        A child still running after ``timeout_s`` is killed (``subprocess.TimeoutExpired``)."""
+        import signal
+        import socket
+
+        request = {"argv": argv, "env": {**os.environ, **ENGINE_ENV}, "log": str(log)}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.connect(str(self.socket))
+            connection.sendall(json.dumps(request).encode() + b"\n")
+            answers = connection.makefile("r")
+            started = json.loads(answers.readline() or '{"pid": null}')
+            if started["pid"] is None:
+                raise EngineFailed(f"the engine fork server refused {argv}; log {self.log}:\n{self.log.read_text()[-6000:]}")
+            ready, _, _ = select.select([connection], [], [], timeout_s)
+            if not ready:
+                os.kill(started["pid"], signal.SIGKILL)
+                answers.readline()  # reaped
+                raise subprocess.TimeoutExpired(argv, timeout_s)
+            line = answers.readline()
+        if not line:
+            raise EngineFailed(f"the engine fork server went away running {argv}; log {self.log}:\n{self.log.read_text()[-6000:]}")
+        return json.loads(line)["returncode"]
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.stdin.close()
+            try:
+                self._process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        shutil.rmtree(self._directory, ignore_errors=True)
+
+
+def _fork_server(path: str) -> None:
+    """The fork server's loop (in the vLLM venv): import what every engine imports, then
+    fork a child per request. Single-threaded: nothing but this thread exists to fork."""
+    import signal
+    import socket
+
+    import vllm  # noqa: F401  (what takes a fresh engine process ~10 s)
+    from vllm import LLM, SamplingParams  # noqa: F401
+    from vllm.config import KVTransferConfig  # noqa: F401
+    from vllm.inputs import TokensPrompt  # noqa: F401
+
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select through the wakeup fd
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    listener.listen(16)
+    os.rename(path + ".tmp", path)  # the socket appears ready to accept
+    children: dict[int, socket.socket] = {}
+    while True:
+        ready, _, _ = select.select([listener, sys.stdin, wake_read], [], [])
+        if sys.stdin in ready and not sys.stdin.buffer.read1(1 << 16):
+            break  # the process that started this server closed its end
+        if wake_read in ready:
+            os.read(wake_read, 1 << 16)
+        while children:  # reap every child that exited and tell its connection
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            connection = children.pop(pid, None)
+            if connection is not None:
+                returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+                with connection:
+                    connection.sendall(json.dumps({"returncode": returncode}).encode() + b"\n")
+        if listener in ready:
+            connection, _ = listener.accept()
+            request = json.loads(connection.makefile("r").readline() or "null")
+            if request is None:
+                connection.close()
+                continue
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                connection.close()
+                for owned in children.values():
+                    owned.close()
+                _fork_child(request, wake_read, wake_write)  # never returns
+            children[pid] = connection
+            connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    listener.close()
+    os.unlink(path)
+
+
+def _fork_child(request: dict, *server_fds: int) -> None:
+    """A forked engine: the server's signal handling undone, its output in the request's log,
+    the requester's environment; then ``main`` as a fresh process runs it, and a normal exit
+    (atexit handlers, non-daemon threads joined) with its status."""
+    import signal
+
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for fd in server_fds:
+        os.close(fd)
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.close(devnull)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = [sys.argv[0], *request["argv"]]
+    code = 0
+    try:
+        main()
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.exit(code)
 
 
 def build_model(directory: Path, size: str, timeout_s: float = 600) -> Path:
@@ -274,7 +454,11 @@ class ApiServer:
             }
             command += ["--kv-transfer-config", json.dumps(config)]
         command += plan.get("server_args", [])  # e.g. --enable-lora --lora-modules NAME=DIR
-        env = {**os.environ, **ENGINE_ENV}
+        # vLLM names its IPC sockets by UUID under VLLM_RPC_BASE_PATH (the shared temporary
+        # directory by default) and leaves them behind: a directory of this server's own,
+        # removed when it stops, keeps a test suite from filling /tmp with them.
+        self._rpc_directory = Path(tempfile.mkdtemp(prefix="kvstore-vllm-rpc-"))
+        env = {**os.environ, **ENGINE_ENV, "VLLM_RPC_BASE_PATH": str(self._rpc_directory)}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server's default: the engine core is a process of its own
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1], env=env)
@@ -317,11 +501,15 @@ class ApiServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        shutil.rmtree(self._rpc_directory, ignore_errors=True)
 
 
 def main() -> None:
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
+    if sys.argv[1] == "--forkserver":
+        _fork_server(sys.argv[2])
+        return
     plan = json.loads(Path(sys.argv[1]).read_text())
     os.environ.update(plan.get("env", {}))  # e.g. VLLM_CPU_OMP_THREADS_BIND for tensor parallelism
     if sys.argv[2] == "--serve":

@@ -29,9 +29,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -43,7 +45,7 @@ from daemon_harness import Daemon, daemons
 from test_manager_nvme import flip_a_byte_of
 from vllm_venv import require_vllm_venv
 
-from bench.vllm_engine import ENGINE_ENV, VLLM_PYTHON, ApiServer, build_model, engine_process
+from bench.vllm_engine import ENGINE_ENV, VLLM_PYTHON, ApiServer, EngineFailed, ForkServer, build_model, engine_process
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.client import KVStoreClient
@@ -434,6 +436,7 @@ def _api_server(store, daemon, name: str) -> ApiServer:
 
 
 def test_a_cache_salt_keeps_tenants_apart_through_the_openai_api(store):
+    sockets_before = vllm_rpc_sockets()
     server = _api_server(store, store.start_daemon(), "api-server-salt")
     prompt = random_prompt(31)
     try:
@@ -451,6 +454,7 @@ def test_a_cache_salt_keeps_tenants_apart_through_the_openai_api(store):
         assert cached(cache_salt="tenant-b") == (FULL_HIT, answer)  # B's own, saved by its first request
     finally:
         server.kill()
+    assert not vllm_rpc_sockets() - sockets_before  # the server's IPC sockets went with it
 
 
 def test_a_daemon_restart_under_a_serving_vllm_fails_no_request_and_hits_resume(store):
@@ -514,3 +518,26 @@ def test_the_connector_asks_vllm_for_piecewise_cuda_graphs():
     probe = "from kvstore.connectors.vllm import KVStoreConnector; print(KVStoreConnector.requires_piecewise_for_cudagraph({}))"
     result = subprocess.run([str(VLLM_PYTHON), "-c", probe], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().splitlines()[-1] == "True", result.stderr[-3000:]
+
+
+def test_a_forked_engine_that_fails_raises_with_its_log_and_the_fork_server_serves_the_next(store, tmp_path):
+    """Engines fork from one server that imported vLLM (bench.vllm_engine.ForkServer): an
+    engine that fails is an error carrying its traceback, the child is reaped with its exit
+    status, and the same server goes on forking engines that serve."""
+    plan = {"model": str(tmp_path / "no-such-model"), "block_size": BLOCK, "max_model_len": 4096, "requests": []}
+    with pytest.raises(EngineFailed, match="Traceback"):
+        engine_process(plan, tmp_path, "missing-model")
+    server = ForkServer.shared()
+    (tmp_path / "not-json").write_text("{")  # main() fails reading its plan
+    assert server.run([str(tmp_path / "not-json"), str(tmp_path / "unused.json")], tmp_path / "not-json.log", 60) == 1
+    assert "JSONDecodeError" in (tmp_path / "not-json.log").read_text()
+    assert ForkServer.shared() is server and server._process.poll() is None
+    report = store.serve("after-failures", [T[:64]], connector=False, max_tokens=2)
+    assert len(report["results"][0]["tokens"]) == 2
+
+
+def vllm_rpc_sockets() -> set[str]:
+    """The IPC sockets vLLM names by UUID in the shared temporary directory (its default
+    VLLM_RPC_BASE_PATH), which an engine never removes."""
+    pattern = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+    return {path.name for path in Path(tempfile.gettempdir()).iterdir() if pattern.fullmatch(path.name) and path.is_socket()}

@@ -60,8 +60,8 @@ class EngineFailed(RuntimeError):
     """An engine process exited with an error; the message ends with its log."""
 
 
-def _run_vllm_python(args: list[str], log: Path, timeout_s: float) -> None:
-    env = {**os.environ, **ENGINE_ENV}
+def _run_vllm_python(args: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> None:
+    env = {**os.environ, **ENGINE_ENV, **(env or {})}
     with open(log, "w") as output:
         result = subprocess.run(
             [str(VLLM_PYTHON), *args],
@@ -87,12 +87,17 @@ def engine_process(plan: dict, workdir: Path, name: str, timeout_s: float = 900)
     plan_path, report_path = workdir / f"{name}.json", workdir / f"{name}.report.json"
     plan_path.write_text(json.dumps(plan))
     log = workdir / f"{name}.log"
-    if os.environ.get("KVSTORE_ENGINE_FORKSERVER", "1") == "0":
-        _run_vllm_python(["-m", "bench.vllm_engine", str(plan_path), str(report_path)], log, timeout_s)
-    else:
-        returncode = ForkServer.shared().run([str(plan_path), str(report_path)], log, timeout_s)
-        if returncode != 0:
-            raise EngineFailed(f"engine for {plan_path} exited with {returncode}; log {log}:\n{log.read_text()[-6000:]}")
+    rpc_directory = Path(tempfile.mkdtemp(prefix="kvstore-vllm-rpc-"))  # see ApiServer: its ranks' IPC sockets
+    env = {"VLLM_RPC_BASE_PATH": str(rpc_directory)}
+    try:
+        if os.environ.get("KVSTORE_ENGINE_FORKSERVER", "1") == "0":
+            _run_vllm_python(["-m", "bench.vllm_engine", str(plan_path), str(report_path)], log, timeout_s, env)
+        else:
+            returncode = ForkServer.shared().run([str(plan_path), str(report_path)], log, timeout_s, env)
+            if returncode != 0:
+                raise EngineFailed(f"engine for {plan_path} exited with {returncode}; log {log}:\n{log.read_text()[-6000:]}")
+    finally:
+        shutil.rmtree(rpc_directory, ignore_errors=True)
     return json.loads(report_path.read_text())
 
 
@@ -138,14 +143,14 @@ class ForkServer:
             atexit.register(cls._shared.close)
         return cls._shared
 
-    def run(self, argv: list[str], log: Path, timeout_s: float) -> int:
+    def run(self, argv: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> int:
         """Fork a child that runs ``bench.vllm_engine ARGV`` with this process's environment
-        (and ``ENGINE_ENV``), its output in ``log``; its return code once it has exited.
+        (and ``ENGINE_ENV``, then ``env``), its output in ``log``; its return code once it has exited.
         A child still running after ``timeout_s`` is killed (``subprocess.TimeoutExpired``)."""
         import signal
         import socket
 
-        request = {"argv": argv, "env": {**os.environ, **ENGINE_ENV}, "log": str(log)}
+        request = {"argv": argv, "env": {**os.environ, **ENGINE_ENV, **(env or {})}, "log": str(log)}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
             connection.connect(str(self.socket))
             connection.sendall(json.dumps(request).encode() + b"\n")

@@ -29,11 +29,9 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -43,7 +41,7 @@ from pathlib import Path
 import pytest
 from daemon_harness import Daemon, daemons
 from test_manager_nvme import flip_a_byte_of
-from vllm_venv import require_vllm_venv
+from vllm_venv import require_vllm_venv, vllm_rpc_sockets
 
 from bench.vllm_engine import ENGINE_ENV, VLLM_PYTHON, ApiServer, EngineFailed, ForkServer, build_model, engine_process
 from kvstore.api.client import connect
@@ -534,10 +532,3 @@ def test_a_forked_engine_that_fails_raises_with_its_log_and_the_fork_server_serv
     assert ForkServer.shared() is server and server._process.poll() is None
     report = store.serve("after-failures", [T[:64]], connector=False, max_tokens=2)
     assert len(report["results"][0]["tokens"]) == 2
-
-
-def vllm_rpc_sockets() -> set[str]:
-    """The IPC sockets vLLM names by UUID in the shared temporary directory (its default
-    VLLM_RPC_BASE_PATH), which an engine never removes."""
-    pattern = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-    return {path.name for path in Path(tempfile.gettempdir()).iterdir() if pattern.fullmatch(path.name) and path.is_socket()}

@@ -14,7 +14,7 @@ import signal
 import pytest
 from daemon_harness import daemons
 from test_manager_nvme import flip_a_byte_of
-from vllm_venv import require_vllm_venv
+from vllm_venv import require_vllm_venv, vllm_rpc_sockets
 
 from bench.vllm_engine import build_model, engine_process
 from bench.vllm_model import MLA_CUSTOM_OPS, mla_block_size
@@ -67,8 +67,10 @@ def fleet(tmp_path_factory):
                 "requests": [{"prompt": p, "max_tokens": 16} for p in prompts],
                 **TP2,
             }
+            sockets_before = vllm_rpc_sockets()
             report = engine_process(plan, workdir, name)
             assert "Traceback" not in (workdir / f"{name}.log").read_text(), (workdir / f"{name}.log").read_text()[-6000:]
+            assert not vllm_rpc_sockets() - sockets_before  # the ranks' IPC sockets went with the engine
             return report
 
         yield serve, daemon, models

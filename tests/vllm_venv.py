@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -17,3 +20,10 @@ def require_vllm_venv() -> None:
     if os.environ.get("CI"):
         raise RuntimeError(f"{VLLM_PYTHON} is missing: `make test` should have built it with `make vllm-venv`.")
     pytest.skip(f"no vLLM venv at {VLLM_PYTHON}; run `make vllm-venv`", allow_module_level=True)
+
+
+def vllm_rpc_sockets() -> set[str]:
+    """The IPC sockets vLLM names by UUID in the shared temporary directory (its default
+    VLLM_RPC_BASE_PATH), which an engine never removes."""
+    pattern = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+    return {path.name for path in Path(tempfile.gettempdir()).iterdir() if pattern.fullmatch(path.name) and path.is_socket()}

@@ -30,15 +30,19 @@ position to their logprobs when the request asked for ``logprobs``.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
 import select
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -58,6 +62,13 @@ ENGINE_ENV = {
 
 class EngineFailed(RuntimeError):
     """An engine process exited with an error; the message ends with its log."""
+
+
+def _rpc_directory() -> Path:
+    """A directory of one engine's own for vLLM's IPC sockets (its ``VLLM_RPC_BASE_PATH``):
+    vLLM names them by UUID in the shared temporary directory by default and never removes
+    them. Whoever starts the engine removes this directory when it stops."""
+    return Path(tempfile.mkdtemp(prefix="kvstore-vllm-rpc-"))
 
 
 def _run_vllm_python(args: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> None:
@@ -87,7 +98,7 @@ def engine_process(plan: dict, workdir: Path, name: str, timeout_s: float = 900)
     plan_path, report_path = workdir / f"{name}.json", workdir / f"{name}.report.json"
     plan_path.write_text(json.dumps(plan))
     log = workdir / f"{name}.log"
-    rpc_directory = Path(tempfile.mkdtemp(prefix="kvstore-vllm-rpc-"))  # see ApiServer: its ranks' IPC sockets
+    rpc_directory = _rpc_directory()
     env = {"VLLM_RPC_BASE_PATH": str(rpc_directory)}
     try:
         if os.environ.get("KVSTORE_ENGINE_FORKSERVER", "1") == "0":
@@ -137,8 +148,6 @@ class ForkServer:
     def shared(cls) -> ForkServer:
         """This process's fork server, started on first use (and again if it died); closed at exit."""
         if cls._shared is None or cls._shared._process.poll() is not None:
-            import atexit
-
             cls._shared = cls()
             atexit.register(cls._shared.close)
         return cls._shared
@@ -147,9 +156,6 @@ class ForkServer:
         """Fork a child that runs ``bench.vllm_engine ARGV`` with this process's environment
         (and ``ENGINE_ENV``, then ``env``), its output in ``log``; its return code once it has exited.
         A child still running after ``timeout_s`` is killed (``subprocess.TimeoutExpired``)."""
-        import signal
-        import socket
-
         request = {"argv": argv, "env": {**os.environ, **ENGINE_ENV, **(env or {})}, "log": str(log)}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
             connection.connect(str(self.socket))
@@ -158,6 +164,8 @@ class ForkServer:
             started = json.loads(answers.readline() or '{"pid": null}')
             if started["pid"] is None:
                 raise EngineFailed(f"the engine fork server refused {argv}; log {self.log}:\n{self.log.read_text()[-6000:]}")
+            # The return code may already sit in ``answers``' buffer; select still wakes at
+            # once then, as the server closes the connection right after sending it (EOF).
             ready, _, _ = select.select([connection], [], [], timeout_s)
             if not ready:
                 os.kill(started["pid"], signal.SIGKILL)
@@ -182,9 +190,6 @@ class ForkServer:
 def _fork_server(path: str) -> None:
     """The fork server's loop (in the vLLM venv): import what every engine imports, then
     fork a child per request. Single-threaded: nothing but this thread exists to fork."""
-    import signal
-    import socket
-
     import vllm  # noqa: F401  (what takes a fresh engine process ~10 s)
     from vllm import LLM, SamplingParams  # noqa: F401
     from vllm.config import KVTransferConfig  # noqa: F401
@@ -239,8 +244,6 @@ def _fork_child(request: dict, *server_fds: int) -> None:
     """A forked engine: the server's signal handling undone, its output in the request's log,
     the requester's environment; then ``main`` as a fresh process runs it, and a normal exit
     (atexit handlers, non-daemon threads joined) with its status."""
-    import signal
-
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for fd in server_fds:
@@ -261,8 +264,6 @@ def _fork_child(request: dict, *server_fds: int) -> None:
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
     except BaseException:
-        import traceback
-
         traceback.print_exc()
         code = 1
     sys.exit(code)
@@ -459,10 +460,7 @@ class ApiServer:
             }
             command += ["--kv-transfer-config", json.dumps(config)]
         command += plan.get("server_args", [])  # e.g. --enable-lora --lora-modules NAME=DIR
-        # vLLM names its IPC sockets by UUID under VLLM_RPC_BASE_PATH (the shared temporary
-        # directory by default) and leaves them behind: a directory of this server's own,
-        # removed when it stops, keeps a test suite from filling /tmp with them.
-        self._rpc_directory = Path(tempfile.mkdtemp(prefix="kvstore-vllm-rpc-"))
+        self._rpc_directory = _rpc_directory()
         env = {**os.environ, **ENGINE_ENV, "VLLM_RPC_BASE_PATH": str(self._rpc_directory)}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server's default: the engine core is a process of its own
         with open(self.log, "w") as log:

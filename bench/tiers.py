@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.report import Report, best_of, gbps, parse_args, timed
+from bench.report import Report, best_in_turns, best_of, gbps, parse_args, timed
 from kvstore.gcpolicy import GcPolicy
 from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
@@ -124,8 +124,7 @@ def bench_host(block_bytes: int, total_bytes: int, repeats: int) -> dict:
             return time.perf_counter() - start
 
         # the three passes take turns, so that a change in the machine's load mid-run weighs on all of them alike
-        rounds = [(timed(lambda: copy_blocks(srcs, dsts)), put_all(), get_all()) for _ in range(repeats)]
-        baseline, put, get = (min(seconds) for seconds in zip(*rounds))
+        baseline, put, get = best_in_turns(repeats, [lambda: timed(lambda: copy_blocks(srcs, dsts)), put_all, get_all])
         assert torch.equal(dst, src), "the host tier returned different bytes"
     finally:
         manager.close()

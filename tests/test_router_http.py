@@ -144,6 +144,11 @@ def fleet(tmp_path_factory, redis_server):
                 replica.server.kill()
 
 
+def router_load(fleet: Fleet) -> list[str]:
+    """The router's load gauges per replica (in flight, queued prefill tokens), as exposed."""
+    return [line for line in fleet.router.metrics().splitlines() if line.startswith(("kvstore_router_in_flight", "kvstore_router_queued"))]
+
+
 def vllm_prompt_tokens(fleet: Fleet) -> float:
     total = 0.0
     for replica in fleet.replicas:
@@ -296,7 +301,9 @@ def test_an_engines_gpu_prefix_cache_is_in_the_index_and_the_router_sends_its_pr
         time.sleep(0.2)
     # a new session sharing the system prompt goes where the engine holds it, expecting its GPU blocks
     answer = fleet.chat([messages[0], {"role": "user", "content": "a new session, same system prompt"}], return_token_ids=True)
-    assert (answer.replica, answer.headers["x-kvstore-route"]) == (a.node_id, "best_cost")
+    # what the router saw, should it choose otherwise: the index, and each replica's load as it prices it
+    seen = {"matches": matches(), "headers": dict(answer.headers), "router": router_load(fleet)}
+    assert (answer.replica, answer.headers["x-kvstore-route"]) == (a.node_id, "best_cost"), seen
     later = answer.body["prompt_token_ids"]
     common = next((i for i, (x, y) in enumerate(zip(ids, later)) if x != y), min(len(ids), len(later)))
     assert int(answer.headers["x-kvstore-expected-cached-tokens"]) == common // BLOCK * BLOCK > 0

@@ -46,7 +46,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -319,6 +321,7 @@ def main() -> None:
     (workdir / "redis").mkdir()
     redis.start()
     daemons, replicas, router = [], [], None
+    finished = False
     try:
         model = build_model(workdir / "model", args.size)
         model_config = json.loads((model / "config.json").read_text())
@@ -399,6 +402,7 @@ def main() -> None:
         # the plain replicas: the engine's own prefix cache is the cache, no daemon
         plain_setup = dataclasses.replace(setup, replica_ids=tuple(r.node_id for r in replicas), host_capacity_bytes=0, prefix_caching=True)
         report_prediction(report, {name: setup for name in measured} | {"plain_vllm_round_robin": plain_setup}, measured)
+        finished = True
     finally:
         if router is not None:
             router.stop()
@@ -407,6 +411,10 @@ def main() -> None:
         for daemon in daemons:
             daemon.process.stop()
         redis.stop()
+        if finished:  # the model, the daemons' and engines' files and logs: ~110 MiB a run
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print(f"bench.fleet: the run's logs are kept in {workdir}", file=sys.stderr)
     report.emit(args.json)
 
 

@@ -36,7 +36,7 @@
   all in the timed call. Against a raw socket moving the same bytes between two processes
   (target ≥ 0.8): one ``sendall`` of everything, and the same 1 MiB blocks as frames with
   kvstore's headers and checksums, each ``sendmsg`` a header and its payload (on loopback
-  here the second is the faster: 4.4–4.7 GB/s against 2.4–3.4 in bench.transport), the
+  here the second is the faster: 4.4–4.7 GB/s against 2.4–3.0 in bench.transport), the
   ratio against the faster of the two; the raw sends and each transport's loads take
   turns, best of 5 each (bench.transport's ``RawSocketLink``, its receiver woken per MiB
   as kvstore's is). And against a load of the same blocks once local. ``--remote-fetch-only``

@@ -31,9 +31,13 @@
   as Prometheus' ``histogram_quantile`` does), and the other engine's lookup p99 during
   the promotion, next to both with no promotion running;
 - remote fetch: an engine's ``load(allow_remote=True)`` on one daemon of blocks that only
-  a second daemon holds (over TCP, and UCX where ucxx is installed): the peer streams them
-  into the first daemon's host tier, then the engine copies them out (as any load copies),
-  all in the timed call. Against a raw socket moving the same bytes between two processes
+  a second daemon holds (over TCP, and UCX where ucxx is installed), all in the timed
+  call: the locate round trip to its daemon, then over TCP the engine receives them from
+  the peer into its own tensors, each checked against its writer's checksum
+  (kvstore/remote_read.py); over UCX the peer streams them into the first daemon's host
+  tier and the engine copies them out. Beside it, the same blocks through the daemon over
+  either transport (``client.fetch`` into its host tier, then the load's copy out; the
+  path every remote load took before 2026-12-04). Against a raw socket moving the same bytes between two processes
   (target ≥ 0.8): one ``sendall`` of everything, and the same 1 MiB blocks as frames with
   kvstore's headers and checksums, each ``sendmsg`` a header and its payload (on loopback
   here the second is the faster: 4.4–4.7 GB/s against 2.4–3.0 in bench.transport), the
@@ -304,16 +308,26 @@ def remote_fetch(kind: str, total: int, rounds: int) -> dict:
         dsts = list(dst.view(num_blocks, -1).unbind(0))
         source = daemons[0].state["transport_address"]
 
-        def fetch() -> float:
-            with connect(daemons[1].state["grpc_address"]) as api:
-                api.admin.Evict(pb.EvictRequest(namespace_id=digest, block_hashes=hashes))
-            dst.zero_()
-            seconds = timed(lambda: reader.load(digest, hashes, dsts, allow_remote=True, deadline_s=60, source=source))
-            assert torch.equal(dst, src), "the remote fetch returned different bytes"
-            return seconds
+        def fetched(load: Callable[[], object]) -> Callable[[], float]:
+            def run() -> float:
+                with connect(daemons[1].state["grpc_address"]) as api:
+                    api.admin.Evict(pb.EvictRequest(namespace_id=digest, block_hashes=hashes))
+                dst.zero_()
+                seconds = timed(load)
+                assert torch.equal(dst, src), "the remote fetch returned different bytes"
+                return seconds
 
+            return run
+
+        def through_daemon() -> None:
+            assert reader.fetch(digest, hashes, deadline_s=60, source=source) == num_blocks
+            reader.load(digest, hashes, dsts)
+
+        fetch = fetched(lambda: reader.load(digest, hashes, dsts, allow_remote=True, deadline_s=60, source=source))
         with raw_socket(total) as raw:
-            fetch_s, whole_s, framed_s = best_in_turns(rounds, [fetch, lambda: raw(total), lambda: raw(LAYOUT.block_bytes)])
+            fetch_s, through_s, whole_s, framed_s = best_in_turns(
+                rounds, [fetch, fetched(through_daemon), lambda: raw(total), lambda: raw(LAYOUT.block_bytes)]
+            )
         local_s = best_of(rounds, lambda: timed(lambda: reader.load(digest, hashes, dsts)))
         holder.close()
         reader.close()
@@ -325,6 +339,7 @@ def remote_fetch(kind: str, total: int, rounds: int) -> dict:
         "transport": kind,
         "total_bytes": total,
         "fetch_gbps": gbps(total, fetch_s),
+        "through_daemon_gbps": gbps(total, through_s),
         "raw_socket_gbps": gbps(total, min(whole_s, framed_s)),  # the faster of the two
         "raw_one_buffer_gbps": gbps(total, whole_s),
         "raw_framed_gbps": gbps(total, framed_s),
@@ -403,6 +418,7 @@ def remote_fetches(report: Report, quick: bool) -> None:
                 fetch["raw_one_buffer_gbps"],
                 fetch["raw_framed_gbps"],
                 fetch["fetch_gbps"],
+                fetch["through_daemon_gbps"],
                 fetch["local_load_gbps"],
                 fetch["fetch_gbps"] / fetch["raw_socket_gbps"],
                 fetch["fetch_gbps"] / fetch["local_load_gbps"],
@@ -411,9 +427,19 @@ def remote_fetches(report: Report, quick: bool) -> None:
         report.compare(f"remote_fetch_{kind}_vs_raw_socket", fetch["fetch_gbps"], fetch["raw_socket_gbps"], "GB/s", ">= 0.8")
     report.print_table(
         f"remote fetch, {fetch_total // MiB} MiB of 1 MiB blocks held by another daemon "
-        "(GB/s; the engine's load: fetch into this daemon, then copy out; the raw socket in turns with each transport's loads, "
+        "(GB/s; the engine's load: over TCP received into the engine's tensors, over UCX fetched into this daemon and copied out; "
+        "through the daemon: fetched into its host tier, then loaded; the raw socket in turns with them, "
         "as one sendall and as frames with kvstore's headers and checksums, the ratio against the faster)",
-        ["transport", "raw, 1 sendall", "raw, 1 MiB frames", "remote load", "local load", "remote/faster raw", "remote/local"],
+        [
+            "transport",
+            "raw, 1 sendall",
+            "raw, 1 MiB frames",
+            "remote load",
+            "through the daemon",
+            "local load",
+            "remote/faster raw",
+            "remote/local",
+        ],
         rows,
     )
 

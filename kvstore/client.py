@@ -65,6 +65,7 @@ from kvstore.hashing import BlockHash
 from kvstore.localproto import HEADER, MAX_REPLY_BYTES, OP_NAMES, PROTOCOL_VERSION, TIERS_BY_CODE, Op
 from kvstore.namespace import Namespace
 from kvstore.paths import default_socket_path
+from kvstore.remote_read import DirectRead, PeerReader, reads_directly
 from kvstore.tier_kind import TierKind
 from kvstore.tiers import device
 from kvstore.tiers.base import HELPER_BATCH_BYTES, byte_view, checksums_beside, copy_all, copy_all_checksummed, copy_checksummed
@@ -176,6 +177,19 @@ class _Request:
 
 
 @dataclass(frozen=True, slots=True)
+class _DirectRead:
+    """Blocks the call receives from a peer daemon itself, into ``destinations``
+    (kvstore/remote_read.py); the answer is a ``DirectRead``. Not a request to the daemon:
+    it runs on the calling thread, outside the connection's lock."""
+
+    address: str
+    namespace: bytes
+    hashes: Sequence[BlockHash]
+    destinations: list[memoryview]
+    deadline_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class _Notice:
     """A request sent without waiting for an answer (request id 0)."""
 
@@ -183,7 +197,7 @@ class _Notice:
     args: tuple
 
 
-Call = Generator["_Request | _Notice", Any, Any]
+Call = Generator["_Request | _Notice | _DirectRead", Any, Any]
 
 
 def _release_late(result: list) -> list[tuple[int, tuple]]:
@@ -215,6 +229,7 @@ class _Core:
         self.daemon_verifies = False
         self.outstanding_leases: set[int] = set()
         self.outstanding_reservations: set[int] = set()
+        self.peers = PeerReader()
 
     @property
     def verify(self) -> bool:
@@ -286,8 +301,27 @@ class _Core:
         source: str | None,
     ) -> Call:
         views = self._checked_blocks(namespace, hashes, into)
-        if allow_remote:
-            yield _Request(Op.FETCH, (namespace, localproto.pack_hashes(hashes), deadline_s, source))
+        started = time.monotonic()
+        done = yield from self._load_cached(namespace, hashes, views)
+        if not allow_remote or done == len(hashes):
+            return done
+        address, upto = yield _Request(Op.LOCATE, (namespace, localproto.pack_hashes(hashes), done, source))
+        remaining = deadline_s - (time.monotonic() - started)
+        if upto <= done or remaining <= 0:
+            return done
+        if reads_directly(address) and all(view.device.type == "cpu" for view in views[done:upto]):
+            destinations = [memoryview(view.numpy()) for view in views[done:upto]]
+            read = yield _DirectRead(address, namespace, hashes[done:upto], destinations, remaining)
+            if read.num_blocks or read.num_dropped:
+                with contextlib.suppress(KVStoreError):  # the blocks are loaded; only this node's metrics miss them
+                    yield _Request(Op.FETCHED, (read.num_blocks, read.num_bytes, read.num_dropped))
+            return done + read.num_blocks
+        # a UCX peer, or device memory to fill: the daemon fetches into its host tier first
+        yield _Request(Op.FETCH, (namespace, localproto.pack_hashes(hashes), remaining, address))
+        return done + (yield from self._load_cached(namespace, hashes[done:], views[done:]))
+
+    def _load_cached(self, namespace: bytes, hashes: Sequence[BlockHash], views: list[torch.Tensor]) -> Call:
+        """Copy the longest prefix of ``hashes`` this node holds into ``views``; its length."""
         done = 0
         while done < len(hashes):
             lease = yield from self._acquire_once(namespace, hashes[done:])
@@ -301,6 +335,9 @@ class _Core:
                 break
             done += lease.num_blocks
         return done
+
+    def read_directly(self, step: _DirectRead) -> DirectRead:
+        return self.peers.read(step.address, step.namespace, step.hashes, step.destinations, step.deadline_s)
 
     def begin_save(self, namespace: bytes, hashes: Sequence[BlockHash], parent_hash: BlockHash | None) -> Call:
         self.nbytes(namespace)
@@ -433,6 +470,7 @@ class _Core:
         return [self.slab.view(Slot(offset, nbytes), nbytes) for offset in offsets]
 
     def close(self) -> None:
+        self.peers.close()
         self._unmap()
 
     def _unmap(self) -> None:
@@ -769,10 +807,20 @@ class KVStoreClient:
     ) -> int:
         """Copy the longest cached prefix of ``hashes`` into ``into``; returns its length.
 
-        With ``allow_remote`` the daemon first fetches missing blocks from the peer the
-        index says holds the most of them (or from ``source``, a transport address); what
-        has not arrived within ``deadline_s`` is left out (a shorter hit, recomputed)."""
+        With ``allow_remote`` the blocks past this node's prefix come from the peer the
+        index says holds the most of them (or from ``source``, a node id or transport
+        address): from a TCP peer this process receives them into ``into`` itself
+        (kvstore/remote_read.py; no copy is left on this node), from a UCX peer (or into
+        device memory) the daemon fetches them into its host tier first. What has not
+        arrived verified within ``deadline_s`` is left out (a shorter hit, recomputed);
+        tensors past the returned count may have been written."""
         return self._run(self._core.load(namespace, hashes, into, allow_remote, deadline_s, source))
+
+    def fetch(self, namespace: bytes, hashes: Sequence[BlockHash], deadline_s: float = 2.0, source: str | None = None) -> int:
+        """Bring the blocks of ``hashes`` this node misses into its tiers, from the peer the
+        index names (or ``source``, a transport address), within ``deadline_s``; returns the length of the prefix
+        this node holds after (a prefetch ahead of the requests that will load it)."""
+        return self._run(self._core.request(Op.FETCH, namespace, localproto.pack_hashes(hashes), deadline_s, source))
 
     # -- prefill → decode handoff -----------------------------------------------------------
     def handoff_send(
@@ -891,6 +939,9 @@ class KVStoreClient:
             except StopIteration as done:
                 return done.value
             value, error = None, None
+            if isinstance(step, _DirectRead):
+                value = self._core.read_directly(step)  # outside the lock: it moves the bytes
+                continue
             try:
                 with self._lock:
                     if isinstance(step, _Notice):
@@ -962,6 +1013,18 @@ class _Widened:
 
 
 # -- the asyncio face -----------------------------------------------------------------------------------
+async def _finished_in_thread(function: Callable[[Any], Any], argument: Any) -> Any:
+    """``function(argument)`` on a worker thread, awaited to its end even when the caller is
+    cancelled: a direct read writes into the caller's tensors until it returns, so the
+    call that owns them must not end before it (the read's deadline bounds the wait)."""
+    work = asyncio.get_running_loop().run_in_executor(None, function, argument)
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait([work])
+        raise
+
+
 class AsyncKVStoreClient:
     """The same calls as coroutines, for engines that run an event loop. Requests on one
     connection are pipelined: each answer goes to the call that asked, by request id."""
@@ -1051,7 +1114,9 @@ class AsyncKVStoreClient:
                 return done.value
             value, error = None, None
             try:
-                if isinstance(step, _Notice):
+                if isinstance(step, _DirectRead):
+                    value = await _finished_in_thread(self._core.read_directly, step)
+                elif isinstance(step, _Notice):
                     self._write(self._wire.notice(step.op, step.args))
                 else:
                     value = await self._call(step)

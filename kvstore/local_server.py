@@ -143,6 +143,8 @@ class LocalServerProtocol(asyncio.Protocol):
             Op.ACQUIRE: self._acquire,
             Op.RELEASE: self._release,
             Op.FETCH: self._fetch,
+            Op.LOCATE: self._locate,
+            Op.FETCHED: self._fetched,
             Op.HANDOFF_SEND: self._handoff_send,
             Op.HANDOFF_READY: self._handoff_ready,
             Op.HANDOFF_FINISH: self._handoff_finish,
@@ -319,6 +321,14 @@ class LocalServerProtocol(asyncio.Protocol):
 
     async def _fetch(self, digest: bytes, hashes: list, deadline_s: float, source: str | None = None) -> int:
         return await self._service().fetch_missing(digest, hashes, deadline_s, source)
+
+    async def _locate(self, digest: bytes, hashes: list, have: int, source: str | None = None) -> list:
+        return list(await self._service().locate(digest, hashes, have, source))
+
+    def _fetched(self, num_blocks: int, num_bytes: int, num_dropped: int) -> None:
+        self._node.metrics.transferred("in", "fetch", num_blocks, num_bytes)
+        if num_dropped:
+            self._node.metrics.dropped("checksum", num_dropped)
 
     async def _handoff_send(self, digest: bytes, hashes: list, parent: bytes | None, transfer_id: str, destination: str) -> list:
         handoff = await self._service().handoff_send(self._session, digest, hashes, parent, transfer_id, destination)

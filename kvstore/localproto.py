@@ -108,6 +108,8 @@ class Op:
     LOOKUP_SHARDS = 17  # one lookup for the namespaces of several tensor-parallel ranks
     LOOKUP_HOLD = 18  # LOOKUP_SHARDS that keeps the blocks it reports from eviction until released
     HOLD_RELEASE = 19
+    LOCATE = 20  # the peer holding the most of a chain past a prefix, for an engine that reads it itself
+    FETCHED = 21  # what an engine read from a peer itself, for this node's transfer metrics
 
 
 OP_NAMES: dict[int, str] = {value: name.lower() for name, value in vars(Op).items() if name.isupper()}
@@ -301,6 +303,12 @@ def _handles(value: Any) -> list[int]:
     return [_handle(item) for item in np.frombuffer(value, dtype=_CHECKSUM).tolist()]
 
 
+def _count(value: Any) -> int:
+    if type(value) is not int or not 0 <= value < 1 << 62:
+        raise InvalidArgument(f"a count must be a non-negative integer, got {describe(value)}.")
+    return value
+
+
 def _count_or_none(value: Any) -> int | None:
     if value is not None and (type(value) is not int or value < 0):
         raise InvalidArgument(f"a block count must be a non-negative integer or nil, got {describe(value)}.")
@@ -376,6 +384,17 @@ SIGNATURES: dict[int, tuple[tuple[str, Check, bool], ...]] = {
         ("block hashes", unpack_hashes, False),
         ("deadline_s", _seconds, False),
         ("source", _text_or_none, True),
+    ),
+    Op.LOCATE: (
+        ("namespace digest", _digest, False),
+        ("block hashes", unpack_hashes, False),
+        ("blocks already loaded", _count, False),
+        ("source", _text_or_none, True),
+    ),
+    Op.FETCHED: (
+        ("blocks verified", _count, False),
+        ("bytes verified", _count, False),
+        ("blocks dropped", _count, False),
     ),
     Op.HANDOFF_SEND: (
         ("namespace digest", _digest, False),

@@ -41,6 +41,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from blocks import chain_of, content_of
 from daemon_harness import daemons, eventually
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -49,7 +50,6 @@ import kvstore.errors as errors
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.client import KVStoreClient
-from kvstore.hashing import chain_hashes
 from kvstore.layout import DTYPE_SIZES, KVLayout
 from kvstore.localproto import (
     HEADER,
@@ -90,13 +90,12 @@ def fuzz_settings(max_examples: int) -> settings:
 
 
 def chain(seed: int, num_blocks: int) -> list[bytes]:
-    return chain_hashes([(seed * 7919 + i) % 50_000 for i in range(num_blocks * LAYOUT.block_size)], LAYOUT.block_size)
+    return chain_of(LAYOUT, seed, num_blocks)
 
 
 def content(block_hash: bytes) -> torch.Tensor:
     """The bytes a witness block must hold: derived from its key, so any other bytes are wrong."""
-    seed = int.from_bytes(block_hash[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
-    return torch.randint(0, 256, (BLOCK,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    return content_of(block_hash, BLOCK)
 
 
 FUZZ_HASHES = chain(10_000, 16)  # saved at the start: fuzzed requests name blocks that exist
@@ -479,6 +478,7 @@ def argument(name: str, peer: tuple[str, str], values, texts, digests: tuple[byt
     handles = st.one_of(st.integers(1, (1 << 64) - 1), st.sampled_from(EDGE_INTS))
     seconds = st.one_of(st.floats(0.001, 0.05), st.sampled_from([0, -1, math.nan, math.inf, -math.inf, 86_400.5, 1e300, True, "1"]))
     addresses = st.sampled_from([*peer, *BAD_ADDRESSES])
+    counts = st.one_of(st.integers(-3, 20), ints)
     strategies = {
         "version": st.one_of(st.just(PROTOCOL_VERSION), ints),
         "namespace": st.one_of(namespace_fields(values, texts), st.just(namespace_to_wire(NAMESPACE))),
@@ -506,6 +506,10 @@ def argument(name: str, peer: tuple[str, str], values, texts, digests: tuple[byt
             values,
         ),
         "timeout_s": seconds,
+        "blocks already loaded": counts,
+        "blocks verified": counts,
+        "bytes verified": counts,
+        "blocks dropped": counts,
         "source": st.one_of(st.none(), addresses, texts),
         "destination": st.one_of(addresses, texts),
         "transfer id": st.one_of(st.sampled_from(["t1", "t2"]), texts),

@@ -23,13 +23,13 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
+from blocks import chain_of, content_of
 from daemon_harness import daemons, eventually
 
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.client import KVStoreClient
 from kvstore.errors import DaemonUnavailable, InvalidArgument, KVStoreError, NotFound, ReservationExpired
-from kvstore.hashing import chain_hashes
 from kvstore.layout import KVLayout
 from kvstore.localproto import PROTOCOL_VERSION, Op, encode_request, namespace_to_wire, pack_hashes
 from kvstore.namespace import Namespace
@@ -42,13 +42,12 @@ BLOCK = LAYOUT.block_bytes
 
 
 def chain(seed: int, num_blocks: int) -> list[bytes]:
-    return chain_hashes([(seed * 7919 + i) % 50_000 for i in range(num_blocks * LAYOUT.block_size)], LAYOUT.block_size)
+    return chain_of(LAYOUT, seed, num_blocks)
 
 
 def content(block_hash: bytes) -> torch.Tensor:
     """The bytes a block must hold: derived from its key, so any other bytes are wrong."""
-    seed = int.from_bytes(block_hash[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
-    return torch.randint(0, 256, (BLOCK,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    return content_of(block_hash, BLOCK)
 
 
 def save(client: KVStoreClient, digest: bytes, hashes: list[bytes]) -> int:

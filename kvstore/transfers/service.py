@@ -181,6 +181,19 @@ class TransferService:
                 logger.info("remote fetch from %s failed: %s", source, exc)
         return len(self.manager.lookup(digest, hashes))
 
+    async def locate(self, digest: bytes, hashes: Sequence[BlockHash], have: int, source: str | None = None) -> tuple[str, int]:
+        """Where an engine that loaded the first ``have`` blocks itself reads the rest: the
+        transport address of ``source`` (or of the peer the index says holds the most of
+        the chain past ``have``) and how far that peer's blocks reach; ("", have) if none."""
+        if source is not None:
+            try:
+                return await self.resolve(source), len(hashes)
+            except KVStoreError as exc:
+                logger.info("remote read from %s skipped: %s", source, exc)
+                return "", have
+        address, upto = await self._best_source(digest, hashes, have)
+        return address or "", upto
+
     async def _best_source(self, digest: bytes, hashes: Sequence[BlockHash], have: int) -> tuple[str | None, int]:
         try:
             matches = await self.index.match(digest, hashes)

@@ -1,5 +1,6 @@
 """The tier manager over real memory tiers (CPU tensors) and, where noted, the NVMe tier."""
 
+import threading
 from concurrent.futures import Future
 
 import pytest
@@ -353,8 +354,9 @@ def test_a_promotion_whose_reader_went_away_still_finishes_and_leaks_nothing():
 
 @pytest.mark.parametrize("num_blocks, beside", [(8, False), (512, True)])  # 128 KiB, 8 MiB (past HELPER_BATCH_BYTES)
 def test_a_put_commits_each_blocks_checksum_taken_with_its_copy_not_in_a_second_pass(num_blocks, beside, monkeypatch):
-    """A small put hashes each chunk right after copying it; a large one hashes the sources
-    on the helper thread while this one copies. Neither reads the landed bytes again."""
+    """A put hashes each chunk right after copying it; a large one is cut in two runs of
+    whole blocks, one copied and hashed on the helper thread beside the other. Neither
+    reads the landed bytes again."""
     import kvstore.tiers.base as base_module
     import kvstore.tiers.reservations as reservations_module
     from kvstore.tiers.base import block_checksum
@@ -362,21 +364,21 @@ def test_a_put_commits_each_blocks_checksum_taken_with_its_copy_not_in_a_second_
     def refuse(*_):
         raise AssertionError("a put from host memory takes its checksums with the copy, not in a second pass")
 
-    batches = []
-    hashed_beside = base_module._checksums_at
+    runs = []
+    copy_each = base_module._copy_each_checksummed
 
     def counted(spans):
-        batches.append(len(spans))
-        return hashed_beside(spans)
+        runs.append((threading.current_thread() is threading.main_thread(), len(spans)))
+        return copy_each(spans)
 
     monkeypatch.setattr(base_module, "_SPARE_CORE", True)
-    monkeypatch.setattr(base_module, "_checksums_at", counted)
+    monkeypatch.setattr(base_module, "_copy_each_checksummed", counted)
     monkeypatch.setattr(reservations_module, "block_checksum", refuse)
     manager = make_manager(host_blocks=4 * num_blocks + 8)  # a put reserves a quarter of the tier at a time
     hashes = chain_hashes(torch.arange(num_blocks * 16), 16)
     blocks = [torch.randint(0, 256, (BLOCK,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)) for i in range(num_blocks)]
     assert manager.put(NS, hashes, blocks) == num_blocks
-    assert batches == ([num_blocks] if beside else [])
+    assert sorted(runs) == ([(False, num_blocks // 2), (True, num_blocks // 2)] if beside else [(True, num_blocks)])
     for block_hash, block in zip(hashes, blocks):
         assert manager.catalogue.get((NS, block_hash)).checksum == block_checksum(block)
     lease = manager.acquire(NS, hashes)

@@ -89,12 +89,13 @@ def test_a_block_of_the_wrong_size_is_refused():
         BlockOrder.discover(transposed_k_writer, (HEADS, TOKENS, DIM), torch.bfloat16, HEADS, TOKENS, DIM, "layer 0")
 
 
-def test_runs_join_consecutive_blocks_whose_slots_are_adjacent():
+def test_runs_join_blocks_whose_slots_are_adjacent_listing_ids_that_are_not_consecutive():
     slab = torch.zeros(10 * 100, dtype=torch.uint8)
-    slots = [slab[i * 100 : (i + 1) * 100] for i in (0, 1, 2, 5, 6)]
-    runs = runs_of([7, 8, 9, 10, 12], slots, block_bytes=100)
-    # 7-9 adjacent in both; 10's slot is not next to 9's; 12 does not follow 10
-    assert [(r.first_block, r.count) for r in runs] == [(7, 3), (10, 1), (12, 1)]
+    slots = [slab[i * 100 : (i + 1) * 100] for i in (0, 1, 2, 5, 6, 7)]
+    runs = runs_of([7, 8, 9, 12, 11, 10], slots, block_bytes=100)
+    # 7-9 adjacent in both; 12's slot is not next to 9's; 12, 11, 10 count down (vLLM's free order)
+    assert [(r.first_block, r.count) for r in runs] == [(7, 3), (12, 3)]
+    assert runs[0].block_ids is None and runs[1].block_ids.tolist() == [12, 11, 10]
     assert runs[1].first_slot.data_ptr() == slots[3].data_ptr()
 
 
@@ -108,7 +109,7 @@ def test_the_layer_copier_moves_one_layer_of_every_run_and_nothing_else(writer):
     caches = [torch.randn(12, *SHAPE).bfloat16() for _ in range(3)]
     blocks = [4, 5, 6, 9]
     runs = runs_of(blocks, [slot_of[b] for b in blocks], layout.block_bytes)
-    assert len(runs) == 2
+    assert len(runs) == 1 and runs[0].block_ids.tolist() == blocks
     copier.save(caches[1], 1, runs)
     for block in blocks:
         offset, length = layout.layer_slice(1)
@@ -118,6 +119,27 @@ def test_the_layer_copier_moves_one_layer_of_every_run_and_nothing_else(writer):
     restored = torch.zeros(12, *SHAPE, dtype=torch.bfloat16)
     copier.load(restored, 1, runs)
     assert torch.equal(restored[blocks], caches[1][blocks])
+    assert not restored[[b for b in range(12) if b not in blocks]].any()
+
+
+@pytest.mark.parametrize("blocks", [[3, 4, 5, 6], [9, 8, 7, 6], [2, 10, 5, 0]], ids=["consecutive", "counting-down", "any-order"])
+def test_a_run_of_adjacent_slots_round_trips_whatever_order_its_blocks_are_in(blocks):
+    layout = KVLayout(num_layers=2, num_kv_heads=HEADS, head_dim=DIM, block_size=TOKENS, dtype="bfloat16", inner_order="HND")
+    orders = [BlockOrder.discover(transposed_k_writer, SHAPE, torch.bfloat16, HEADS, TOKENS, DIM, f"layer {i}") for i in range(2)]
+    copier = LayerCopier(layout, torch.bfloat16, orders)
+    slab = torch.zeros(len(blocks) * layout.block_bytes, dtype=torch.uint8)
+    slots = [slab[i * layout.block_bytes : (i + 1) * layout.block_bytes] for i in range(len(blocks))]
+    runs = runs_of(blocks, slots, layout.block_bytes)
+    assert len(runs) == 1
+    cache = torch.randn(12, *SHAPE).bfloat16()
+    copier.save(cache, 1, runs)
+    for block, slot in zip(blocks, slots):  # each slot holds its own block, in store order
+        offset, length = layout.layer_slice(1)
+        stored = slot[offset : offset + length].view(torch.bfloat16).view(2, HEADS, TOKENS, DIM)
+        assert torch.equal(stored, reference_planes(cache[block], transposed_k_writer))
+    restored = torch.zeros(12, *SHAPE, dtype=torch.bfloat16)
+    copier.load(restored, 1, runs)
+    assert torch.equal(restored[blocks], cache[blocks])
     assert not restored[[b for b in range(12) if b not in blocks]].any()
 
 

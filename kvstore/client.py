@@ -11,8 +11,11 @@ offsets cross the socket:
 - ``load(namespace, hashes, into)``: lease the prefix (the daemon first promotes NVMe
   blocks into the slab) → copy out (verified against the writers' checksums where the
   daemon or the caller asks) → release;
-- ``load(…, allow_remote=True)`` first asks the daemon to fetch the blocks it misses
-  from the peer that holds them (within a deadline), then loads as above;
+- ``load(…, allow_remote=True)`` loads this node's prefix as above, asks the daemon which
+  peer holds the rest, and receives those blocks from that peer itself, straight into the
+  engine's tensors (kvstore/remote_read.py; a UCX peer or device tensors: the daemon
+  fetches them into its host tier first), all within a deadline; ``fetch`` brings blocks
+  into this node's tiers instead;
 - ``begin_save``/``commit``/``abort`` and ``acquire``/``release``: the same save and
   load with the slab slots handed out in place, for connectors that copy one layer at a
   time as the forward pass produces or needs it;

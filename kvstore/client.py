@@ -309,6 +309,7 @@ class _Core:
         if not allow_remote or done == len(hashes):
             return done
         address, upto = yield _Request(Op.LOCATE, (namespace, localproto.pack_hashes(hashes), done, source))
+        upto = min(upto, len(hashes))
         remaining = deadline_s - (time.monotonic() - started)
         if upto <= done or remaining <= 0:
             return done

@@ -37,8 +37,8 @@
   (kvstore/remote_read.py); over UCX the peer streams them into the first daemon's host
   tier and the engine copies them out. Beside it, the same blocks through the daemon over
   either transport (``client.fetch`` into its host tier, then the load's copy out; the
-  path every remote load took before 2026-12-04). Against a raw socket moving the same bytes between two processes
-  (target ≥ 0.8): one ``sendall`` of everything, and the same 1 MiB blocks as frames with
+  path every remote load took before 2026-12-04). Against a raw socket moving the same
+  bytes between two processes (target ≥ 0.8): one ``sendall`` of everything, and the same 1 MiB blocks as frames with
   kvstore's headers and checksums, each ``sendmsg`` a header and its payload (on loopback
   here the second is the faster: 4.4–4.7 GB/s against 2.4–3.0 in bench.transport), the
   ratio against the faster of the two; the raw sends and each transport's loads take

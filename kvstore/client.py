@@ -822,8 +822,9 @@ class KVStoreClient:
 
     def fetch(self, namespace: bytes, hashes: Sequence[BlockHash], deadline_s: float = 2.0, source: str | None = None) -> int:
         """Bring the blocks of ``hashes`` this node misses into its tiers, from the peer the
-        index names (or ``source``, a transport address), within ``deadline_s``; returns the length of the prefix
-        this node holds after (a prefetch ahead of the requests that will load it)."""
+        index names (or ``source``, a transport address), within ``deadline_s``; returns
+        the length of the prefix this node holds after (a prefetch ahead of the requests
+        that will load it)."""
         return self._run(self._core.request(Op.FETCH, namespace, localproto.pack_hashes(hashes), deadline_s, source))
 
     # -- prefill → decode handoff -----------------------------------------------------------

@@ -43,27 +43,18 @@ import tempfile
 from pathlib import Path
 
 from bench.report import Report, parse_args
-from bench.vllm_engine import EngineProcess, build_model
+from bench.vllm_engine import EngineProcess, build_model, divergence
 from kvstore.spawn import spawn_daemon
 
 MiB = 1024 * 1024
 BLOCK = 32
 VOCAB = 4096  # the "mid" model's
 SAMPLES = {"recompute": 7, "example": 7, "kvstore": 7}  # TTFT samples per prompt, after its first request
-NEAR_TIE_NATS = 0.1
 
 
 def prompt(length: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(2, VOCAB) for _ in range(length)]
-
-
-def same_decision(first: dict, repeat: dict) -> bool:
-    if repeat["tokens"] == first["tokens"]:
-        return True
-    candidates = {int(token): logprob for token, logprob in first["first_logprobs"].items()}
-    chosen = candidates.get(repeat["tokens"][0])
-    return chosen is not None and chosen >= max(candidates.values()) - NEAR_TIE_NATS
 
 
 def measure(engines: dict[str, EngineProcess], tokens: list[int]) -> dict[str, tuple[float, list[float]]]:
@@ -78,11 +69,9 @@ def measure(engines: dict[str, EngineProcess], tokens: list[int]) -> dict[str, t
             if round_index >= SAMPLES[name]:
                 continue
             repeat = engines[name].serve(request)
-            if not same_decision(firsts[name], repeat):
-                raise SystemExit(
-                    f"{name}: a cached request decoded {repeat['tokens']}, the first {firsts[name]['tokens']} "
-                    f"(top logprobs {firsts[name]['first_logprobs']})"
-                )
+            differs = divergence(repeat, firsts[name])
+            if differs is not None:
+                raise SystemExit(f"{name}: a cached request decoded other tokens than the first: {differs}")
             samples[name].append(repeat["seconds"])
     return {name: (firsts[name]["seconds"], samples[name]) for name in engines}
 

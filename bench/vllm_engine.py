@@ -22,10 +22,11 @@ line on stdin, answering each with a result line on file descriptor 3, so a benc
 can interleave several engines under the same machine conditions (``EngineProcess``).
 
 The report written to REPORT.json is ``{"startup_s", "results": [{"tokens",
-"num_cached_tokens", "kv_transfer_params", "first_logprobs", "seconds"}], "connector":
-{counters} | null}``; ``seconds`` is the wall time of the request alone, its TTFT when
-``max_tokens`` is 1; ``first_logprobs`` maps the top token ids of the first output
-position to their logprobs when the request asked for ``logprobs``.
+"num_cached_tokens", "kv_transfer_params", "first_logprobs", "logprobs", "seconds"}],
+"connector": {counters} | null}``; ``seconds`` is the wall time of the request alone, its
+TTFT when ``max_tokens`` is 1; ``logprobs`` maps, for each output position, the top token
+ids (and the one chosen) to their logprobs when the request asked for ``logprobs``;
+``first_logprobs`` is its first.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
+import math
 import os
 import select
 import shutil
@@ -311,6 +313,40 @@ def _connector_counters(llm) -> dict | None:
     return counters or None
 
 
+NEAR_TIE_NATS = 0.1
+
+
+def divergence(result: dict, reference: dict, near_tie: float = NEAR_TIE_NATS) -> str | None:
+    """None when ``result`` decodes ``reference``'s tokens, or the same tokens up to a
+    position where each one's choice was near-tied (within ``near_tie`` nats) with the
+    other's in both, and at every position up to there each token both list has logprobs
+    within ``near_tie`` of each other; else what differs. Both results must carry
+    ``logprobs``.
+
+    Greedy decoding of the same prompt over the same KV can still part at a near tie: the
+    tokens computed after a cached prefix run other kernels (or other matrix shapes) than
+    a prefill of the whole prompt, and round differently. Past that position the two
+    continue from other tokens, so nothing after it is compared."""
+    ours, theirs = result["tokens"], reference["tokens"]
+    if len(ours) != len(theirs):
+        return f"{len(ours)} tokens against {len(theirs)}"
+    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
+    for i in range(min(at + 1, len(ours))):
+        mine = {int(token): logprob for token, logprob in result["logprobs"][i].items()}
+        other = {int(token): logprob for token, logprob in reference["logprobs"][i].items()}
+        apart = {token: abs(mine[token] - other[token]) for token in mine.keys() & other.keys()}
+        if max(apart.values(), default=0.0) > near_tie:
+            return f"at token {i} the logprobs differ by more than {near_tie} nats: {mine} against {other}"
+        if i == at:
+            for name, position, chose in (("result", mine, theirs[at]), ("reference", other, ours[at])):
+                if position.get(chose, -math.inf) < max(position.values()) - near_tie:
+                    return (
+                        f"at token {at} the result chose {ours[at]} and the reference {theirs[at]}, no near tie "
+                        f"in the {name}'s logprobs there ({position})"
+                    )
+    return None
+
+
 def start_engine(plan: dict):
     from vllm import LLM
 
@@ -346,10 +382,11 @@ def serve(llm, request: dict) -> dict:
     began = time.perf_counter()
     output = llm.generate([TokensPrompt(prompt_token_ids=request["prompt"])], params, use_tqdm=False)[0]
     seconds = time.perf_counter() - began
-    logprobs = output.outputs[0].logprobs
+    logprobs = [{token: entry.logprob for token, entry in position.items()} for position in output.outputs[0].logprobs or ()]
     return {
         "tokens": list(output.outputs[0].token_ids),
-        "first_logprobs": {token: entry.logprob for token, entry in logprobs[0].items()} if logprobs else None,
+        "first_logprobs": logprobs[0] if logprobs else None,
+        "logprobs": logprobs or None,
         "num_cached_tokens": output.num_cached_tokens,
         "kv_transfer_params": output.kv_transfer_params,
         "seconds": seconds,

@@ -23,10 +23,16 @@ tokens), where kvstore loads every block and computes only the last token while
 ExampleConnector recomputes the last block; and one ending in a partial block (8173
 tokens), where both compute the same 13-token tail and only the load path differs.
 
-A cached request must decide as the first request did, or the run fails: its token is
-the first request's, or — random bf16 weights give near ties, and a cached prefix runs
-through other kernels than a full prefill — one of the first request's top 5 within 0.1
-nats of its best.
+A cached request must decide as the first request did, or the run fails
+(``bench.vllm_engine.divergence``): its token is the first request's, or — random bf16
+weights give near ties, and a cached prefix runs through other kernels than a full
+prefill — one both requests ranked within 0.1 nats of their best; and the logprobs both
+list in their top 5 agree within 0.1 nats.
+
+The daemon's reservations live 10 minutes (``manager.reservation_ttl_s``, 30 s by
+default): a save is reserved at the start of its step, and an 8K-token prefill is one
+step, which took ~60 s on a slow two-core VM; with the default the reservations expired
+inside it and nothing was stored.
 
 Targets: kvstore ≤ 0.3× recompute, and faster than ExampleConnector on both prompts.
 Duration on two cores: full ≈ 6–10 min (recompute's fourteen 8K prefills dominate); ``--quick`` (1K-token
@@ -95,6 +101,7 @@ def main() -> None:
                 "server.metrics_port": -1,
                 "nvme.enabled": "false",
                 "host.capacity_bytes": 512 * MiB,
+                "manager.reservation_ttl_s": 600,  # longer than a prefill step of an 8K prompt on a slow host
             },
             workdir / "daemon.log",
         )

@@ -316,12 +316,12 @@ def _connector_counters(llm) -> dict | None:
 NEAR_TIE_NATS = 0.1
 
 
-def divergence(result: dict, reference: dict, near_tie: float = NEAR_TIE_NATS) -> str | None:
+def divergence(result: dict, reference: dict, near_tie: float = NEAR_TIE_NATS, logprobs_within: float | None = NEAR_TIE_NATS) -> str | None:
     """None when ``result`` decodes ``reference``'s tokens, or the same tokens up to a
     position where each one's choice was near-tied (within ``near_tie`` nats) with the
-    other's in both, and at every position up to there each token both list has logprobs
-    within ``near_tie`` of each other; else what differs. Both results must carry
-    ``logprobs``.
+    other's in both, and (unless ``logprobs_within`` is None) at every position up to
+    there each token both list has logprobs within ``logprobs_within`` of each other;
+    else what differs. Both results must carry ``logprobs``.
 
     Greedy decoding of the same prompt over the same KV can still part at a near tie: the
     tokens computed after a cached prefix run other kernels (or other matrix shapes) than
@@ -335,8 +335,8 @@ def divergence(result: dict, reference: dict, near_tie: float = NEAR_TIE_NATS) -
         mine = {int(token): logprob for token, logprob in result["logprobs"][i].items()}
         other = {int(token): logprob for token, logprob in reference["logprobs"][i].items()}
         apart = {token: abs(mine[token] - other[token]) for token in mine.keys() & other.keys()}
-        if max(apart.values(), default=0.0) > near_tie:
-            return f"at token {i} the logprobs differ by more than {near_tie} nats: {mine} against {other}"
+        if logprobs_within is not None and max(apart.values(), default=0.0) > logprobs_within:
+            return f"at token {i} the logprobs differ by more than {logprobs_within} nats: {mine} against {other}"
         if i == at:
             for name, position, chose in (("result", mine, theirs[at]), ("reference", other, ours[at])):
                 if position.get(chose, -math.inf) < max(position.values()) - near_tie:

@@ -47,3 +47,9 @@ def test_the_same_tokens_with_logprobs_apart_before_the_parting_are_another_deco
 
 def test_decodings_of_other_lengths_differ():
     assert divergence(decoding([5, 7], REFERENCE["logprobs"][:2]), REFERENCE) == "2 tokens against 3"
+
+
+def test_logprobs_apart_pass_where_only_the_decisions_are_compared():
+    shifted = decoding([5, 8, 9], [{5: -1.3, 6: -2.5}, {8: -2.9, 7: -3.0}, {9: -0.1}])
+    assert divergence(shifted, REFERENCE, logprobs_within=None) is None
+    assert "no near tie in the reference's" in divergence(decoding([5, 4, 9], shifted["logprobs"]), REFERENCE, logprobs_within=None)

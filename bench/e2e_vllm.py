@@ -36,6 +36,11 @@ default): a save is reserved at the start of its step, and an 8K-token prefill i
 step, which took ~60 s on a slow two-core VM; with the default the reservations expired
 inside it and nothing was stored.
 
+On the prompt ending in a partial block kvstore and ExampleConnector compute the same tail
+over the same cached bytes, so their repeats' first-position logprobs must be the same:
+``partial_block_logprob_gap_kvstore_vs_example`` is the largest difference (nats; inf
+where they chose other tokens).
+
 Targets: kvstore ≤ 0.3× recompute, and faster than ExampleConnector on both prompts.
 Duration on two cores: full ≈ 6–10 min (recompute's fourteen 8K prefills dominate); ``--quick`` (1K-token
 prompts) ≈ 60–80 s — three engine starts and the model build take most of it, so it
@@ -44,6 +49,7 @@ does not meet the contract's 60 s.
 
 from __future__ import annotations
 
+import math
 import random
 import shutil
 import statistics
@@ -65,11 +71,13 @@ def prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(2, VOCAB) for _ in range(length)]
 
 
-def measure(engines: dict[str, EngineProcess], tokens: list[int]) -> dict[str, tuple[float, list[float]]]:
-    """Per setting: (first request's seconds, TTFT samples of the repeats, taken in rounds)."""
+def measure(engines: dict[str, EngineProcess], tokens: list[int]) -> dict[str, tuple[float, list[float], dict]]:
+    """Per setting: (first request's seconds, TTFT samples of the repeats, taken in rounds,
+    the last repeat's result)."""
     request = {"prompt": tokens, "max_tokens": 1, "logprobs": 5}
     firsts = {name: engine.serve(request) for name, engine in engines.items()}
     samples: dict[str, list[float]] = {name: [] for name in engines}
+    repeats: dict[str, dict] = {}
     names = list(engines)
     for round_index in range(max(SAMPLES.values())):
         order = names[round_index % len(names) :] + names[: round_index % len(names)]
@@ -81,7 +89,17 @@ def measure(engines: dict[str, EngineProcess], tokens: list[int]) -> dict[str, t
             if differs is not None:
                 raise SystemExit(f"{name}: a cached request decoded other tokens than the first: {differs}")
             samples[name].append(repeat["seconds"])
-    return {name: (firsts[name]["seconds"], samples[name]) for name in engines}
+            repeats[name] = repeat
+    return {name: (firsts[name]["seconds"], samples[name], repeats[name]) for name in engines}
+
+
+def logprob_gap(a: dict, b: dict) -> float:
+    """The largest difference of a first-position logprob both results list (inf when they
+    chose other tokens)."""
+    if a["tokens"] != b["tokens"]:
+        return math.inf
+    mine, other = a["first_logprobs"], b["first_logprobs"]
+    return max(abs(mine[token] - other[token]) for token in mine.keys() & other.keys())
 
 
 def main() -> None:
@@ -123,7 +141,11 @@ def main() -> None:
             engines[name].serve({"prompt": prompt(256, seed=99), "max_tokens": 1})  # warm-up
         ttft: dict[tuple[str, str], float] = {}
         for seed, (shape, num_tokens) in enumerate(shapes.items(), start=1):
-            for name, (first, samples) in measure(engines, prompt(num_tokens, seed)).items():
+            measured = measure(engines, prompt(num_tokens, seed))
+            if shape == "partial_block":
+                # both compute the same tail over the same cached KV bytes: the same logprobs
+                report.ratio("partial_block_logprob_gap_kvstore_vs_example", logprob_gap(measured["kvstore"][2], measured["example"][2]))
+            for name, (first, samples, _) in measured.items():
                 ttft[name, shape] = statistics.median(samples)
                 report.results.append(
                     {

@@ -57,7 +57,7 @@ import tempfile
 from pathlib import Path
 
 from bench.report import Report, parse_args
-from bench.vllm_engine import EngineProcess, build_model, divergence
+from bench.vllm_engine import EngineProcess, build_model, divergence, logprob_gap
 from kvstore.spawn import spawn_daemon
 
 MiB = 1024 * 1024
@@ -93,13 +93,9 @@ def measure(engines: dict[str, EngineProcess], tokens: list[int]) -> dict[str, t
     return {name: (firsts[name]["seconds"], samples[name], repeats[name]) for name in engines}
 
 
-def logprob_gap(a: dict, b: dict) -> float:
-    """The largest difference of a first-position logprob both results list (inf when they
-    chose other tokens)."""
-    if a["tokens"] != b["tokens"]:
-        return math.inf
-    mine, other = a["first_logprobs"], b["first_logprobs"]
-    return max(abs(mine[token] - other[token]) for token in mine.keys() & other.keys())
+def first_logprob_gap(a: dict, b: dict) -> float:
+    """``logprob_gap`` of two results' first positions (inf when they chose other tokens)."""
+    return logprob_gap(a["first_logprobs"], b["first_logprobs"]) if a["tokens"] == b["tokens"] else math.inf
 
 
 def main() -> None:
@@ -144,7 +140,9 @@ def main() -> None:
             measured = measure(engines, prompt(num_tokens, seed))
             if shape == "partial_block":
                 # both compute the same tail over the same cached KV bytes: the same logprobs
-                report.ratio("partial_block_logprob_gap_kvstore_vs_example", logprob_gap(measured["kvstore"][2], measured["example"][2]))
+                report.ratio(
+                    "partial_block_logprob_gap_kvstore_vs_example", first_logprob_gap(measured["kvstore"][2], measured["example"][2])
+                )
             for name, (first, samples, _) in measured.items():
                 ttft[name, shape] = statistics.median(samples)
                 report.results.append(

@@ -316,6 +316,12 @@ def _connector_counters(llm) -> dict | None:
 NEAR_TIE_NATS = 0.1
 
 
+def logprob_gap(position: dict, other: dict) -> float:
+    """The largest difference between the logprobs two results give a token both list at
+    one output position (0 when they list none in common)."""
+    return max((abs(position[token] - other[token]) for token in position.keys() & other.keys()), default=0.0)
+
+
 def divergence(result: dict, reference: dict, near_tie: float = NEAR_TIE_NATS, logprobs_within: float | None = NEAR_TIE_NATS) -> str | None:
     """None when ``result`` decodes ``reference``'s tokens, or the same tokens up to a
     position where each one's choice was near-tied (within ``near_tie`` nats) with the
@@ -334,8 +340,7 @@ def divergence(result: dict, reference: dict, near_tie: float = NEAR_TIE_NATS, l
     for i in range(min(at + 1, len(ours))):
         mine = {int(token): logprob for token, logprob in result["logprobs"][i].items()}
         other = {int(token): logprob for token, logprob in reference["logprobs"][i].items()}
-        apart = {token: abs(mine[token] - other[token]) for token in mine.keys() & other.keys()}
-        if logprobs_within is not None and max(apart.values(), default=0.0) > logprobs_within:
+        if logprobs_within is not None and logprob_gap(mine, other) > logprobs_within:
             return f"at token {i} the logprobs differ by more than {logprobs_within} nats: {mine} against {other}"
         if i == at:
             for name, position, chose in (("result", mine, theirs[at]), ("reference", other, ours[at])):

@@ -4,14 +4,18 @@
 
 - lookup round trip of 512 block keys over the local protocol, p50/p99 (target: p50 ≤
   100 µs; the same chain each time, as a scheduler looks up a waiting request or the next
-  turn of a session), next to a lookup of a chain the daemon has not seen (every key
-  hashed afresh), the same lookup by a client that sleeps in recv at once (``spin_s`` 0;
-  the default client polls for its answer for up to 200 µs first), the same lookup holding
-  the blocks it finds, as the vLLM scheduler's lookup does (``LOOKUP_HOLD``, the previous
-  hold released in the same round trip), and through the gRPC API (why engines do not use
-  gRPC); beside them, the floor: a round trip of the same frame sizes over a Unix socket
-  between two processes doing no work, the reader sleeping or polling (on a VM a wakeup
-  on another CPU costs tens of µs each way);
+  turn of a session; one lookup after another, as a scheduler looks up its waiting
+  requests, so the daemon's loop is still polling from its last answer, ``server.spin_us``),
+  next to a lookup of a chain the daemon has not seen (every key hashed afresh), the same
+  lookup finding the daemon asleep (each 2 ms after the last answer: the loop has stopped
+  polling and is woken from epoll), the same lookup by a client that sleeps in recv at
+  once (``spin_s`` 0; the default client polls for its answer for up to 200 µs first),
+  the same lookup holding the blocks it finds, as the vLLM scheduler's lookup does
+  (``LOOKUP_HOLD``, the previous hold released in the same round trip), and through the
+  gRPC API (why engines do not use gRPC); beside them, the floor: a round trip of the
+  same frame sizes over a Unix socket between two processes doing no work, both ends
+  polling, the far end sleeping and the reader polling, or both sleeping (on a VM a
+  wakeup on another CPU costs tens of µs each way);
 - save (reserve → copy into the shared slab, each block's XXH3-64 taken with the copy →
   commit) and load (lease → copy out → release) GB/s of 1 MiB blocks through the daemon,
   against a single-thread memcpy of the same blocks between private tensors in the same
@@ -88,6 +92,7 @@ from kvstore.transport.ucx import import_ucxx
 
 MiB = 1024 * 1024
 LOOKUP_KEYS = 512
+ASLEEP_GAP_S = 0.002  # past the daemon's polling window (server.spin_us, 200 µs by default)
 DATA_ROUNDS = 5  # rounds of the data path's figures and baselines, taken in turns
 FETCH_ROUNDS = 5  # rounds of each remote fetch and the raw socket, taken in turns
 # 1 MiB blocks: 16 layers × K,V × 16 tokens × 8 heads × 128 dims × fp16
@@ -218,53 +223,63 @@ def _histogram_quantile(q: float, cumulative: list[tuple[float, float]]) -> floa
     return lower_bound
 
 
-def echo(fd: int, request_bytes: int, reply_bytes: int) -> None:
-    """The raw round trip's far end: read each request whole and answer it, blocking in
-    recv as the daemon's loop sleeps in epoll, until the socket closes."""
+def echo(fd: int, request_bytes: int, reply_bytes: int, polling: bool) -> None:
+    """The raw round trip's far end: read each request whole and answer it, until the
+    socket closes; blocking in recv as a daemon's loop sleeps in epoll, or ``polling`` for
+    it as the loop does after an answer (``server.spin_us``)."""
     import socket
 
     sock, landing, reply = socket.socket(fileno=fd), bytearray(1 << 20), b"r" * reply_bytes
+    sock.setblocking(not polling)
     while True:
         got = 0
         while got < request_bytes:
-            count = sock.recv_into(landing)
+            try:
+                count = sock.recv_into(landing)
+            except BlockingIOError:
+                continue
             if not count:
                 return
             got += count
+        sock.setblocking(True)
         sock.sendall(reply)
+        sock.setblocking(not polling)
 
 
 def raw_round_trips(request_bytes: int, reply_bytes: int, samples: int) -> dict[str, float]:
     """p50 µs of a round trip of the lookup's frame sizes over a Unix socket between two
-    processes, with no work at either end: the reader sleeping in recv, and polling for
-    its answer (as ``KVStoreClient`` does for up to ``spin_s``)."""
+    processes, with no work at either end: the far end sleeping in recv and the reader
+    sleeping, or polling for its answer (as ``KVStoreClient`` does for up to ``spin_s``);
+    and both polling (as the client and a daemon that has just answered do)."""
     import socket
 
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    far = subprocess.Popen(
-        [sys.executable, "-m", "bench.daemon", "--echo", str(theirs.fileno()), str(request_bytes), str(reply_bytes)],
-        pass_fds=[theirs.fileno()],
-    )
-    theirs.close()
-    request, landing, result = b"q" * request_bytes, bytearray(1 << 20), {}
-    try:
-        for mode in ("sleeping", "polling"):
-            ours.setblocking(mode == "sleeping")
-            times = []
-            for _ in range(samples):
-                started = time.perf_counter()
-                ours.sendall(request)
-                got = 0
-                while got < reply_bytes:
-                    try:
-                        got += ours.recv_into(landing)
-                    except BlockingIOError:
-                        pass
-                times.append(time.perf_counter() - started)
-            result[mode] = percentiles(times)[0] * 1e6
-    finally:
-        ours.close()
-        far.wait(timeout=10)
+    result = {}
+    for far_polls, modes in ((False, ("sleeping", "polling")), (True, ("both_polling",))):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        far = subprocess.Popen(
+            [sys.executable, "-m", "bench.daemon", "--echo", *map(str, (theirs.fileno(), request_bytes, reply_bytes, int(far_polls)))],
+            pass_fds=[theirs.fileno()],
+        )
+        theirs.close()
+        request, landing = b"q" * request_bytes, bytearray(1 << 20)
+        try:
+            for mode in modes:
+                ours.setblocking(mode == "sleeping")
+                times = []
+                for _ in range(samples):
+                    started = time.perf_counter()
+                    ours.sendall(request)
+                    got = 0
+                    while got < reply_bytes:
+                        try:
+                            got += ours.recv_into(landing)
+                        except BlockingIOError:
+                            pass
+                    times.append(time.perf_counter() - started)
+                result[mode] = percentiles(times)[0] * 1e6
+        finally:
+            ours.close()
+            far.wait(timeout=10)
     return result
 
 
@@ -449,7 +464,8 @@ def main() -> None:
         look_up(sys.argv[2])
         return
     if sys.argv[1:2] == ["--echo"]:
-        echo(*map(int, sys.argv[2:5]))
+        fd, request_bytes, reply_bytes, polling = map(int, sys.argv[2:6])
+        echo(fd, request_bytes, reply_bytes, bool(polling))
         return
     args = parse_args(__doc__.splitlines()[0], _only_flag)
     torch.set_num_threads(1)
@@ -476,10 +492,17 @@ def main() -> None:
         local_p50, local_p99 = latency_percentiles(lambda _: client.lookup(lookup_digest, keys), range(lookups))
         assert client.lookup(lookup_digest, keys).num_blocks == LOOKUP_KEYS
         # a chain the daemon has not seen: 512 keys it holds none of, a new chain each time
-        # (made before its call is timed), so every key is hashed afresh (a repeated chain
-        # reuses the key objects of the last lookup, tiers/catalogue.RecentChains)
-        unseen = ([os.urandom(16) for _ in range(LOOKUP_KEYS)] for _ in range(lookups))
+        # (all made before the first call, so that the lookups follow each other as the
+        # others do), so every key is hashed afresh (a repeated chain reuses the key
+        # objects of the last lookup, tiers/catalogue.RecentChains)
+        unseen = [[os.urandom(16) for _ in range(LOOKUP_KEYS)] for _ in range(lookups)]
         unseen_p50, unseen_p99 = latency_percentiles(lambda chain: client.lookup(lookup_digest, chain), unseen)
+        del unseen
+        # a lookup that finds the daemon asleep: each one 2 ms after the last answer, when
+        # the daemon's loop has stopped polling (server.spin_us) and sleeps in epoll
+        asleep_p50, asleep_p99 = latency_percentiles(
+            lambda _: client.lookup(lookup_digest, keys), (time.sleep(ASLEEP_GAP_S) for _ in range(lookups // 2))
+        )
         with KVStoreClient(state["socket"], spin_s=0.0) as sleeper:  # sleeps in recv at once
             sleeping_p50, sleeping_p99 = latency_percentiles(lambda _: sleeper.lookup(lookup_digest, keys), range(lookups))
         request_frame = localproto.encode_request(1, Op.LOOKUP, (lookup_digest, localproto.pack_hashes(keys)))
@@ -545,10 +568,13 @@ def main() -> None:
         "local_lookup_p99_us": local_p99 * 1e6,
         "unseen_lookup_p50_us": unseen_p50 * 1e6,
         "unseen_lookup_p99_us": unseen_p99 * 1e6,
+        "asleep_daemon_lookup_p50_us": asleep_p50 * 1e6,
+        "asleep_daemon_lookup_p99_us": asleep_p99 * 1e6,
         "sleeping_lookup_p50_us": sleeping_p50 * 1e6,
         "sleeping_lookup_p99_us": sleeping_p99 * 1e6,
         "raw_round_trip_sleeping_p50_us": raw["sleeping"],
         "raw_round_trip_polling_p50_us": raw["polling"],
+        "raw_round_trip_both_polling_p50_us": raw["both_polling"],
         "held_lookup_p50_us": held_p50 * 1e6,
         "held_lookup_p99_us": held_p99 * 1e6,
         "grpc_lookup_p50_us": grpc_p50 * 1e6,
@@ -569,11 +595,17 @@ def main() -> None:
         [
             ["local socket (the client polls for its answer, spin_s 200 µs)", result["local_lookup_p50_us"], result["local_lookup_p99_us"]],
             ["local socket, a chain not seen before (none of it cached)", result["unseen_lookup_p50_us"], result["unseen_lookup_p99_us"]],
+            [
+                "local socket, the daemon asleep (each lookup 2 ms after the last answer)",
+                result["asleep_daemon_lookup_p50_us"],
+                result["asleep_daemon_lookup_p99_us"],
+            ],
             ["local socket, the client sleeping in recv (spin_s 0)", result["sleeping_lookup_p50_us"], result["sleeping_lookup_p99_us"]],
             ["local socket, holding what it finds (LOOKUP_HOLD)", result["held_lookup_p50_us"], result["held_lookup_p99_us"]],
             ["gRPC", result["grpc_lookup_p50_us"], result["grpc_lookup_p99_us"]],
-            ["raw socket round trip of the same frame sizes, no work, reader polling", result["raw_round_trip_polling_p50_us"], "-"],
-            ["raw socket round trip of the same frame sizes, no work, reader sleeping", result["raw_round_trip_sleeping_p50_us"], "-"],
+            ["raw round trip of the same frame sizes, no work, both ends polling", result["raw_round_trip_both_polling_p50_us"], "-"],
+            ["raw round trip of the same frame sizes, no work, reader polling", result["raw_round_trip_polling_p50_us"], "-"],
+            ["raw round trip of the same frame sizes, no work, both ends sleeping", result["raw_round_trip_sleeping_p50_us"], "-"],
         ],
     )
     report.print_table(
@@ -594,6 +626,7 @@ def main() -> None:
     report.ratio("lookup_512_p50_us", result["local_lookup_p50_us"], "<= 100")
     report.ratio("lookup_512_p99_us", result["local_lookup_p99_us"])
     report.ratio("unseen_lookup_512_p50_us", result["unseen_lookup_p50_us"])
+    report.ratio("asleep_daemon_lookup_512_p50_us", result["asleep_daemon_lookup_p50_us"])
     report.ratio("grpc_lookup_512_p50_us", result["grpc_lookup_p50_us"])
     remote_fetches(report, args.quick)
     lag = loop_lag(25_000 if args.quick else 100_000)

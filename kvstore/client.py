@@ -71,7 +71,15 @@ from kvstore.paths import default_socket_path
 from kvstore.remote_read import DirectRead, PeerReader, reads_directly
 from kvstore.tier_kind import TierKind
 from kvstore.tiers import device
-from kvstore.tiers.base import HELPER_BATCH_BYTES, byte_view, checksums_beside, copy_all, copy_all_checksummed, copy_checksummed
+from kvstore.tiers.base import (
+    HELPER_BATCH_BYTES,
+    byte_view,
+    checksums_beside,
+    copy_all,
+    copy_all_checksummed,
+    copy_checksummed,
+    has_spare_core,
+)
 from kvstore.tiers.host import SharedSlab
 from kvstore.tiers.slab import Slot
 
@@ -545,11 +553,7 @@ def _copy_out(targets: Sequence[torch.Tensor], slots: Sequence[torch.Tensor]) ->
 def default_spin_s() -> float:
     """``DEFAULT_SPIN_S`` where this process may run on two CPUs or more, else 0: on one
     CPU the poll would only keep the daemon from answering."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return DEFAULT_SPIN_S if cpus > 1 else 0.0
+    return DEFAULT_SPIN_S if has_spare_core() else 0.0
 
 
 class _Wire:
@@ -652,7 +656,7 @@ class _Connection:
         reads the rest as it always does (sleeping in recv if it is longer in coming)."""
         until = time.perf_counter() + self.spin_s
         while not self._receive(0.0) and time.perf_counter() < until:
-            pass
+            os.sched_yield()  # the daemon runs first where the scheduler put it on this CPU
 
     def _collect(self, timeout_s: float) -> None:
         """Take the late answers that arrive within ``timeout_s``, giving back what they granted."""
@@ -684,8 +688,17 @@ class _Connection:
 
     def _send(self, frame: bytes) -> None:
         try:
-            self._set_timeout(self.timeout_s)
-            self.sock.sendall(frame)
+            # a frame usually fits the socket's buffer: one non-blocking send, with no poll
+            # before it (CPython polls a socket that has a timeout before every send) and no
+            # timeout to switch (a syscall each way); what is left waits as a call may
+            self._set_timeout(0.0)
+            try:
+                sent = self.sock.send(frame)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(frame):
+                self._set_timeout(self.timeout_s)
+                self.sock.sendall(memoryview(frame)[sent:])
         except TimeoutError as exc:
             raise DaemonUnavailable(f"the kvstore daemon did not take a request within {self.timeout_s:g}s.") from exc
         except OSError as exc:

@@ -86,6 +86,9 @@ _UNITS = {
 }
 
 
+MAX_SPIN_US = 10_000.0
+
+
 class ConfigError(InvalidArgument):
     """A configuration value is missing, malformed or out of range; the message names it."""
 
@@ -110,6 +113,12 @@ class ServerConfig:
     # "auto": uvloop where it is installed (a dependency on Linux and macOS; a local round
     # trip costs ~20 µs less than on asyncio's own loop), else asyncio's; or either by name
     event_loop: str = "auto"
+    # after answering an engine the loop keeps polling its sockets this long before it
+    # sleeps: an engine's requests come in runs (a scheduler looks up each waiting request,
+    # then loads, then saves), and a loop woken from sleep answers each ~35 µs later on a
+    # VM (kvstore_loop_polling_seconds counts the CPU it costs). 0: sleep at once; where
+    # the daemon may run on one CPU only it never polls (it would keep the engine waiting)
+    spin_us: float = 200.0
     # the survivors of every full garbage collection are frozen, so a collection walks only
     # what is new (kvstore/gcpolicy.py); every this many seconds everything is thawed and
     # collected once (cyclic garbage among frozen objects). 0: never; -1: CPython's own policy
@@ -133,6 +142,8 @@ class ServerConfig:
                 "server.gc_full_interval_s must be -1 (CPython's own collector), 0 (never thaw) or lie in [60, 604800] seconds, "
                 f"got {self.gc_full_interval_s}."
             )
+        if not 0 <= self.spin_us <= MAX_SPIN_US:
+            raise ConfigError(f"server.spin_us must lie in [0, {MAX_SPIN_US:g}], got {self.spin_us}.")
         if self.event_loop not in ("auto", "uvloop", "asyncio"):
             raise ConfigError(f"server.event_loop must be 'auto', 'uvloop' or 'asyncio', got {self.event_loop!r}.")
 

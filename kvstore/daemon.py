@@ -132,7 +132,7 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
 
     host = manager.tier(manager.tier_kinds[0])
     slab_path = str(host.path)
-    local = LocalServer(node, slab_path, transfers, server_config.verify_loads)
+    local = LocalServer(node, slab_path, transfers, server_config.verify_loads, server_config.spin_us / 1e6)
     old_umask = os.umask(0o177 if server_config.socket_mode == 0o600 else 0o117)
     try:
         local_server = await loop.create_unix_server(local.protocol, str(socket_path))

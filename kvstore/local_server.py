@@ -39,6 +39,7 @@ from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.localproto import HEADER, MAX_REQUEST_BYTES, OP_NAMES, PROTOCOL_VERSION, Op, checked_args
 from kvstore.namespace import Namespace
 from kvstore.steps import drive, is_pending
+from kvstore.tiers.base import has_spare_core
 
 __all__ = ["LocalServer", "LocalServerProtocol"]
 
@@ -56,17 +57,45 @@ class LocalServer:
     """What every connection shares: the node, the slab path, the transfer service, and
     the watch on processes whose sessions outlived their connection."""
 
-    def __init__(self, node, slab_path: str, transfers=None, verify_loads: bool = False) -> None:
+    def __init__(self, node, slab_path: str, transfers=None, verify_loads: bool = False, spin_s: float = 0.0) -> None:
         self.node = node
         self.slab_path = slab_path
         self.transfers = transfers  # the TransferService, None where the transport is off
         self.verify_loads = verify_loads
+        # how long the loop polls for the next request after an answer (server.spin_us)
+        self.spin_s = spin_s if has_spare_core() else 0.0
+        self._answered_at = 0.0
+        self._polling_since: float | None = None
         self._watched: dict[int, int] = {}  # pidfd of a live process -> its orphaned session
         self._connections: set[LocalServerProtocol] = set()
         self._all_closed = asyncio.Event()
 
     def protocol(self) -> LocalServerProtocol:
         return LocalServerProtocol(self)
+
+    def answered(self) -> None:
+        """An answer went out: keep the loop polling its sockets for ``spin_s`` from now
+        rather than sleeping in epoll, so that the engine's next request is read as it
+        lands. A callback that puts itself back on the ready queue is the poll: while one
+        is ready, the loop (asyncio's or uvloop's) waits on its sockets with a zero
+        timeout, and it still runs timers, other connections and I/O threads' callbacks
+        on every turn."""
+        self._answered_at = now = time.perf_counter()
+        if self._polling_since is None and self.spin_s:
+            self._polling_since = now
+            asyncio.get_running_loop().call_soon(self._poll)
+
+    def _poll(self) -> None:
+        now = time.perf_counter()
+        if now - self._answered_at < self.spin_s:
+            # a process waiting for this CPU runs first: the engine, when the scheduler put
+            # the daemon on its CPU (a Unix socket wakes its reader on the writer's CPU), is
+            # itself polling for the answer just sent, or about to send the next request
+            os.sched_yield()
+            asyncio.get_running_loop().call_soon(self._poll)
+            return
+        self.node.metrics.polled(now - self._polling_since)
+        self._polling_since = None
 
     def end_session(self, session: int, pidfd: int | None) -> None:
         """The connection of ``session`` is gone: close the session now if its process is
@@ -105,6 +134,7 @@ class LocalServer:
         """The daemon stops: end every connection (no request is served after this, so
         nothing reaches the tiers while they are persisted and closed) and forget the
         watched processes; their sessions are closed with all others."""
+        self.spin_s = 0.0  # a poll under way ends on its next turn
         for connection in list(self._connections):
             connection.abort()
         if self._connections:
@@ -271,6 +301,7 @@ class LocalServerProtocol(asyncio.Protocol):
     def _write(self, frame: bytes) -> None:
         if self._transport is not None:
             self._transport.write(frame)
+            self._server.answered()
 
     def _observe(self, op: int, started: float) -> None:
         self._node.metrics.observe(OP_NAMES.get(op, "unknown"), time.perf_counter() - started)

@@ -117,6 +117,10 @@ class Metrics:
         collection interrupted would never be given back)."""
         _observe(self._requests.gc_pauses, str(generation), _GC_BOUNDS, seconds)
 
+    def polled(self, seconds: float) -> None:
+        """The loop polled for the next engine request for ``seconds`` (server.spin_us)."""
+        self._requests.polling_s += seconds
+
     def gc_frozen(self, count: int) -> None:
         self._requests.gc_frozen = count
 
@@ -153,6 +157,7 @@ class _RequestPath(Collector):
         self.latencies: dict[str, list] = {}  # rpc -> [count per bucket…, +Inf bucket, sum of seconds]
         self.gc_pauses: dict[str, list] = {}  # generation -> the same
         self.gc_frozen = 0
+        self.polling_s = 0.0  # the loop's polling for engines' next requests
 
     def collect(self) -> Iterator:
         blocks = CounterMetricFamily(
@@ -173,6 +178,12 @@ class _RequestPath(Collector):
             "kvstore_gc_pause_seconds", "How long each garbage collection stopped the daemon, by generation.", labels=["generation"]
         )
         yield _histogram(pauses, self.gc_pauses, _GC_BOUNDS)
+        yield CounterMetricFamily(
+            "kvstore_loop_polling_seconds",
+            "Time the daemon's event loop spent polling its sockets for an engine's next request after an answer, "
+            "instead of sleeping (server.spin_us).",
+            value=self.polling_s,
+        )
         yield GaugeMetricFamily(
             "kvstore_gc_frozen_objects",
             "Objects moved out of the collector's reach (kvstore/gcpolicy.py), as counted at the last whole-heap collection.",

@@ -307,6 +307,23 @@ def test_a_client_that_polls_for_answers_still_waits_for_one_longer_in_coming(st
             KVStoreClient(daemon.socket, spin_s=bad)
 
 
+def test_a_request_larger_than_the_socket_buffer_is_sent_whole(start):
+    """A frame goes out in one non-blocking send when it fits the socket's buffer; one
+    that does not (60,000 block hashes: ~940 KiB) is finished by a blocking send, and
+    the connection stays in step for the calls after it."""
+    daemon = start()
+    client = KVStoreClient(daemon.socket, timeout_s=10.0)
+    digest = client.register_namespace(NAMESPACE)
+    assert save(client, digest, chain(40, 3)) == 3
+    long_chain = chain(40, 3) + [os.urandom(16) for _ in range(60_000 - 3)]
+    send_buffer = client._connection.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    assert len(pack_hashes(long_chain)) > 2 * send_buffer
+    assert client.lookup(digest, long_chain).num_blocks == 3
+    assert client.lookup(digest, chain(40, 5)).num_blocks == 3
+    assert load_intact(client, digest, chain(40, 3)) == (3, True)
+    client.close()
+
+
 def test_the_async_client_matches_answers_too(start):
     from kvstore.client import AsyncKVStoreClient
 

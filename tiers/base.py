@@ -225,14 +225,16 @@ def bytes_at(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(address))
 
 
-def _has_spare_core() -> bool:
+def has_spare_core() -> bool:
+    """Whether this process may run on two CPUs or more: where it may not, polling or a
+    helper thread would only take the CPU from the work it waits on."""
     try:
         return len(os.sched_getaffinity(0)) > 1
     except (AttributeError, OSError):
         return (os.cpu_count() or 1) > 1
 
 
-_SPARE_CORE = _has_spare_core()
+_SPARE_CORE = has_spare_core()
 
 
 def checksums_beside(buffers: Sequence[memoryview]) -> Future[list[int]]:

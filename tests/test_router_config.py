@@ -393,6 +393,52 @@ def test_the_engines_own_queue_counts_in_a_replicas_load():
     assert replica.candidate().active_requests == 3  # three more than the router's own two
 
 
+def test_a_health_check_exports_the_engines_own_queue_and_a_removed_replica_loses_the_series():
+    """What the router last read from an engine's /metrics (a real HTTP server) is its gauge
+    ``kvstore_router_engine_requests``: the load it prices for traffic that did not pass it."""
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import httpx
+
+    exposition = 'vllm:num_requests_running{engine="0"} 3.0\nvllm:num_requests_waiting{engine="0"} 2.0\n'
+
+    class Engine(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            pages = {"/health": b"{}", "/v1/models": json.dumps({"data": [{"id": "m"}]}).encode(), "/metrics": exposition.encode()}
+            body = pages.get(self.path, b"")
+            self.send_response(200 if self.path in pages else 404)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        metrics = RouterMetrics(["r1"], max_tenants=4)
+        replicas = ReplicaSet.of([ReplicaConfig(f"http://127.0.0.1:{server.server_port}", "r1")], metrics)
+        value = metrics.registry.get_sample_value
+        assert value("kvstore_router_engine_requests", {"replica": "r1"}) == 0  # before its first check
+
+        async def check() -> None:
+            async with httpx.AsyncClient() as client:
+                await replicas.check(client, 5.0)
+
+        asyncio.run(check())
+        assert replicas.replicas["r1"].healthy
+        assert value("kvstore_router_engine_requests", {"replica": "r1"}) == 5
+        assert replicas.replicas["r1"].candidate().active_requests == 5
+        replicas.adopt([])
+        assert value("kvstore_router_engine_requests", {"replica": "r1"}) is None
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_the_routers_summary_for_stats_fleet():
     metrics = RouterMetrics(["r1", "r2"], max_tenants=4)
     metrics.usage("r1", "t", 1000, 750)

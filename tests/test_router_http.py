@@ -116,6 +116,18 @@ class Fleet:
 
         return asyncio.run(ask())
 
+    def live_nodes(self) -> list[str]:
+        """The nodes the index lists as live (daemons, and engines whose caches their daemons publish)."""
+
+        async def ask():
+            index = RedisIndex.from_url(self.redis_url)
+            try:
+                return sorted(node.node_id for node in await index.nodes())
+            finally:
+                await index.close()
+
+        return asyncio.run(ask())
+
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, redis_server):
@@ -145,8 +157,10 @@ def fleet(tmp_path_factory, redis_server):
 
 
 def router_load(fleet: Fleet) -> list[str]:
-    """The router's load gauges per replica (in flight, queued prefill tokens), as exposed."""
-    return [line for line in fleet.router.metrics().splitlines() if line.startswith(("kvstore_router_in_flight", "kvstore_router_queued"))]
+    """The router's load gauges per replica (in flight, queued prefill tokens, the engine's
+    own running and waiting requests), as exposed."""
+    gauges = ("kvstore_router_in_flight", "kvstore_router_queued", "kvstore_router_engine_requests")
+    return [line for line in fleet.router.metrics().splitlines() if line.startswith(gauges)]
 
 
 def vllm_prompt_tokens(fleet: Fleet) -> float:
@@ -302,8 +316,8 @@ def test_an_engines_gpu_prefix_cache_is_in_the_index_and_the_router_sends_its_pr
     # a new session sharing the system prompt goes where the engine holds it, expecting its GPU blocks
     answer = fleet.chat([messages[0], {"role": "user", "content": "a new session, same system prompt"}], return_token_ids=True)
     # what the router saw, should it choose otherwise: the index, and each replica's load as it prices it
-    seen = {"matches": matches(), "headers": dict(answer.headers), "router": router_load(fleet)}
-    assert (answer.replica, answer.headers["x-kvstore-route"]) == (a.node_id, "best_cost"), seen
+    seen = {"matches": matches(), "live": fleet.live_nodes(), "headers": dict(answer.headers), "router": router_load(fleet)}
+    assert (answer.replica, answer.headers["x-kvstore-route"]) == (a.node_id, "best_cost"), str(seen)  # a string: shown whole
     later = answer.body["prompt_token_ids"]
     common = next((i for i, (x, y) in enumerate(zip(ids, later)) if x != y), min(len(ids), len(later)))
     assert int(answer.headers["x-kvstore-expected-cached-tokens"]) == common // BLOCK * BLOCK > 0

@@ -98,6 +98,13 @@ class RouterMetrics:
             ["replica"],
             registry=r,
         )
+        self.engine_requests = Gauge(
+            "kvstore_router_engine_requests",
+            "Requests running and waiting on a replica's engine, as its /metrics said at the last health check "
+            "(routing prices the more of this and what the router sent it)",
+            ["replica"],
+            registry=r,
+        )
         self.healthy = Gauge("kvstore_router_replica_healthy", "1 while the replica passes health checks", ["replica"], registry=r)
         self.tenant_prompt_tokens = Counter("kvstore_router_tenant_prompt_tokens", "Prompt tokens per tenant", ["tenant"], registry=r)
         self.tenant_prefill_tokens = Counter(
@@ -139,6 +146,7 @@ class RouterMetrics:
         """The replica's series exist from when it joins (out of rotation until checked)."""
         self.in_flight.labels(replica_id).set(0)
         self.queued_tokens.labels(replica_id).set(0)
+        self.engine_requests.labels(replica_id).set(0)
         self.healthy.labels(replica_id).set(0)
         self.hit_rate.labels(replica_id).set(0)
         self._prompt_by_replica.setdefault(replica_id, 0)
@@ -147,7 +155,7 @@ class RouterMetrics:
 
     def remove_replica(self, replica_id: str) -> None:
         """A replica that left: its gauges go; its counters and histograms keep their history."""
-        for gauge in (self.in_flight, self.queued_tokens, self.healthy, self.hit_rate):
+        for gauge in (self.in_flight, self.queued_tokens, self.engine_requests, self.healthy, self.hit_rate):
             gauge.remove(replica_id)
         self._prompt_by_replica.pop(replica_id, None)
         self._cached_by_replica.pop(replica_id, None)

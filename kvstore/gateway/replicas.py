@@ -183,6 +183,8 @@ class ReplicaSet:
                 engine_metrics = await client.get(f"{url}/metrics", timeout=timeout_s)
                 if engine_metrics.status_code == 200:
                     replica.engine_requests = engine_queue(engine_metrics.text)
+                    if self.serves(replica):
+                        self.metrics.engine_requests.labels(replica.node_id).set(replica.engine_requests)
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             ok, why = False, f"{type(exc).__name__}: {exc}"
         else:

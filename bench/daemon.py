@@ -230,6 +230,8 @@ def echo(fd: int, request_bytes: int, reply_bytes: int, polling: bool) -> None:
     import socket
 
     sock, landing, reply = socket.socket(fileno=fd), bytearray(1 << 20), b"r" * reply_bytes
+    # polling, the socket stays non-blocking, as a daemon's are: the reader takes each
+    # reply before it sends again, so a reply always finds the buffer empty
     sock.setblocking(not polling)
     while True:
         got = 0
@@ -241,9 +243,7 @@ def echo(fd: int, request_bytes: int, reply_bytes: int, polling: bool) -> None:
             if not count:
                 return
             got += count
-        sock.setblocking(True)
         sock.sendall(reply)
-        sock.setblocking(not polling)
 
 
 def raw_round_trips(request_bytes: int, reply_bytes: int, samples: int) -> dict[str, float]:

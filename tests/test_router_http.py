@@ -106,23 +106,20 @@ class Fleet:
 
     def matches(self, keys: list) -> dict[str, NodeMatch]:
         """What the index answers for the chain ``keys``, by node."""
-
-        async def ask():
-            index = RedisIndex.from_url(self.redis_url)
-            try:
-                return {m.node_id: m for m in await index.match(engine_namespace(self.model_path).digest, keys)}
-            finally:
-                await index.close()
-
-        return asyncio.run(ask())
+        found = self._ask_index(lambda index: index.match(engine_namespace(self.model_path).digest, keys))
+        return {m.node_id: m for m in found}
 
     def live_nodes(self) -> list[str]:
         """The nodes the index lists as live (daemons, and engines whose caches their daemons publish)."""
+        return sorted(node.node_id for node in self._ask_index(lambda index: index.nodes()))
+
+    def _ask_index(self, question):
+        """The answer of ``question(index)``, on a connection to the fleet's Redis index of its own."""
 
         async def ask():
             index = RedisIndex.from_url(self.redis_url)
             try:
-                return sorted(node.node_id for node in await index.nodes())
+                return await question(index)
             finally:
                 await index.close()
 

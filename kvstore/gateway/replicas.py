@@ -183,8 +183,6 @@ class ReplicaSet:
                 engine_metrics = await client.get(f"{url}/metrics", timeout=timeout_s)
                 if engine_metrics.status_code == 200:
                     replica.engine_requests = engine_queue(engine_metrics.text)
-                    if self.serves(replica):
-                        self.metrics.engine_requests.labels(replica.node_id).set(replica.engine_requests)
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             ok, why = False, f"{type(exc).__name__}: {exc}"
         else:
@@ -197,5 +195,7 @@ class ReplicaSet:
         self._publish_health(replica)
 
     def _publish_health(self, replica: Replica) -> None:
+        """What the last check (or failure) found: in rotation or not, and the engine's own queue."""
         if self.serves(replica):
             self.metrics.healthy.labels(replica.node_id).set(1 if replica.healthy else 0)
+            self.metrics.engine_requests.labels(replica.node_id).set(replica.engine_requests)

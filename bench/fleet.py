@@ -68,6 +68,7 @@ from kvstore.spawn import spawn_daemon
 
 MiB = 1024**2
 GiB = 1024**3
+TOKENS = "prefill tokens / request"
 HOST_CAPACITY_BYTES = 256 * MiB  # each daemon's host tier
 
 
@@ -390,14 +391,15 @@ def main() -> None:
             [[s[c] for c in columns] for s in summaries.values()],
         )
         base, ours = summaries["round_robin"], summaries["kvstore"]
-        report.ratio("prefill_tokens_vs_round_robin", ours["prefill_tokens_per_request"] / base["prefill_tokens_per_request"], "<= 0.3")
-        report.ratio("ttft_p50_vs_round_robin", ours["ttft_p50_s"] / base["ttft_p50_s"], "<= 0.5")
+        tokens = "prefill_tokens_per_request"
+        report.compare("prefill_tokens_vs_round_robin", ours[tokens], base[tokens], TOKENS, "<= 0.3")
+        report.compare("ttft_p50_vs_round_robin", ours["ttft_p50_s"], base["ttft_p50_s"], "s TTFT p50", "<= 0.5")
         session_hash = summaries["session_hash"]
-        report.ratio("prefill_tokens_vs_session_hash", ours["prefill_tokens_per_request"] / session_hash["prefill_tokens_per_request"])
+        report.compare("prefill_tokens_vs_session_hash", ours[tokens], session_hash[tokens], TOKENS)
         report.ratio("hit_rate_kvstore", ours["hit_rate"])
         plain = summaries["plain_vllm_round_robin"]
-        report.ratio("prefill_tokens_vs_plain_vllm", ours["prefill_tokens_per_request"] / plain["prefill_tokens_per_request"])
-        report.ratio("ttft_p50_vs_plain_vllm", ours["ttft_p50_s"] / plain["ttft_p50_s"])
+        report.compare("prefill_tokens_vs_plain_vllm", ours[tokens], plain[tokens], TOKENS)
+        report.compare("ttft_p50_vs_plain_vllm", ours["ttft_p50_s"], plain["ttft_p50_s"], "s TTFT p50")
         print(f"kvstore router's decisions: {ours['decisions']}")
         # the plain replicas: the engine's own prefix cache is the cache, no daemon
         plain_setup = dataclasses.replace(setup, replica_ids=tuple(r.node_id for r in replicas), host_capacity_bytes=0, prefix_caching=True)

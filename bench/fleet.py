@@ -68,7 +68,7 @@ from kvstore.spawn import spawn_daemon
 
 MiB = 1024**2
 GiB = 1024**3
-TOKENS = "prefill tokens / request"
+PREFILL_UNIT = "prefill tokens / request"
 HOST_CAPACITY_BYTES = 256 * MiB  # each daemon's host tier
 
 
@@ -392,13 +392,13 @@ def main() -> None:
         )
         base, ours = summaries["round_robin"], summaries["kvstore"]
         tokens = "prefill_tokens_per_request"
-        report.compare("prefill_tokens_vs_round_robin", ours[tokens], base[tokens], TOKENS, "<= 0.3")
+        report.compare("prefill_tokens_vs_round_robin", ours[tokens], base[tokens], PREFILL_UNIT, "<= 0.3")
         report.compare("ttft_p50_vs_round_robin", ours["ttft_p50_s"], base["ttft_p50_s"], "s TTFT p50", "<= 0.5")
         session_hash = summaries["session_hash"]
-        report.compare("prefill_tokens_vs_session_hash", ours[tokens], session_hash[tokens], TOKENS)
+        report.compare("prefill_tokens_vs_session_hash", ours[tokens], session_hash[tokens], PREFILL_UNIT)
         report.ratio("hit_rate_kvstore", ours["hit_rate"])
         plain = summaries["plain_vllm_round_robin"]
-        report.compare("prefill_tokens_vs_plain_vllm", ours[tokens], plain[tokens], TOKENS)
+        report.compare("prefill_tokens_vs_plain_vllm", ours[tokens], plain[tokens], PREFILL_UNIT)
         report.compare("ttft_p50_vs_plain_vllm", ours["ttft_p50_s"], plain["ttft_p50_s"], "s TTFT p50")
         print(f"kvstore router's decisions: {ours['decisions']}")
         # the plain replicas: the engine's own prefix cache is the cache, no daemon

@@ -34,6 +34,44 @@ def test_connector_suite(suite):
         f"tests/engines/{suite}_suite.py",
     ]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1100)
-    report = result.stdout[-8000:] + result.stderr[-4000:]
+    report = failure_report(result.stdout, result.stderr)
     assert result.returncode == 0, report
     assert " passed" in result.stdout.splitlines()[-1] and " failed" not in result.stdout.splitlines()[-1], report
+
+
+def failure_report(stdout: str, stderr: str, head: int = 12000, tail: int = 3000) -> str:
+    """What a failed sub-run shows here: the start of its failures section, where each
+    failing assertion and its traceback stand (an engine's warnings captured after them
+    can run to megabytes, and a report cut to the run's tail kept only those), then the
+    run's last lines (the summary)."""
+    start = stdout.find("= FAILURES =")
+    if start < 0:
+        start = stdout.find("= ERRORS =")
+    if start < 0:
+        return stdout[-head:] + stderr[-tail:]
+    failures = stdout[start:]
+    if len(failures) <= head + tail:
+        return failures + stderr[-tail:]
+    return failures[:head] + "\n[... cut ...]\n" + failures[-tail:] + stderr[-tail:]
+
+
+def test_a_failure_report_keeps_the_failing_assertion_ahead_of_the_warnings_after_it():
+    warnings = "WARNING MemoryObj was garbage collected\n" * 5000
+    stdout = (
+        "....F...\n"
+        "=================================== FAILURES ===================================\n"
+        "___ test_gets_miss ___\n"
+        ">       assert e.remote.contains(key)\n"
+        "E       AssertionError: assert False\n"
+        "----------------------------- Captured log call ------------------------------\n"
+        + warnings
+        + "=========================== short test summary info ============================\n"
+        "FAILED tests/engines/lmcache_suite.py::test_gets_miss - AssertionError\n"
+        "1 failed, 7 passed in 40.1s\n"
+    )
+    report = failure_report(stdout, "stderr tail")
+    assert "E       AssertionError: assert False" in report
+    assert "1 failed, 7 passed" in report and report.endswith("stderr tail")
+    assert len(report) < 20000
+    # the report the test kept before: the run's tail only
+    assert "AssertionError: assert False" not in stdout[-8000:]

@@ -2,8 +2,8 @@
 
 Producer (prefill instance): in the step that completes a prompt, the step's first
 ``save_layer`` opens a handoff of the prompt's full blocks to the decode daemon; each
-layer is copied from vLLM's cache into the handoff's staging slots on the copy thread as
-soon as the forward pass wrote it, and announced (``handoff_layers_ready``) once its
+layer is copied from vLLM's cache into the handoff's staging slots by the worker's copy
+engine as soon as the forward pass wrote it, and announced (``handoff_layers_ready``) once its
 copy is done, so the daemon streams layer i while the engine computes layer i+1. The
 step's end waits for the step's copies only: the engine's blocks can be freed as soon as
 the step ends, the bytes are in the handoff's staging slots by then, which the daemon
@@ -48,7 +48,7 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.connectors.vllm_compat import connector_logger
-from kvstore.connectors.vllm_layout import BlockRun, CopyJob, CopyThread, CudaCopies, LayerCopier, runs_of
+from kvstore.connectors.vllm_layout import BlockRun, CopyJob, CudaCopies, HostCopies, LayerCopier, runs_of
 from kvstore.connectors.vllm_meta import HandoffSpec, LoadSpec
 from kvstore.errors import KVStoreError
 from kvstore.namespace import Namespace
@@ -79,7 +79,7 @@ class _StepSends:
 
 class HandoffSender:
     def __init__(
-        self, client: KVStoreClient, digest: bytes, copier: LayerCopier, copies: CopyThread | CudaCopies, timeout_s: float, tp_rank: int
+        self, client: KVStoreClient, digest: bytes, copier: LayerCopier, copies: HostCopies | CudaCopies, timeout_s: float, tp_rank: int
     ) -> None:
         self._tp_rank = tp_rank
         self._client = client

@@ -3,14 +3,15 @@ daemon's shared-memory slab, one layer at a time.
 
 Loading: ``start_load`` leases the stored blocks of every request of the step (one round
 trip each; the daemon promotes NVMe blocks and verifies them first) and queues one copy
-per layer on a copy thread, so layer i+1 is copied while the forward pass computes layer
-i; ``wait_for_layer`` blocks only until that layer's copy is done (and runs it itself if
-the copy thread has not started it). Blocks the lease does
+per layer on the copy engine: a CUDA stream, so layer i+1 is copied while the forward pass
+computes layer i and ``wait_for_layer`` makes the compute stream wait for that layer's
+copy; on CPU (``HostCopies``) the copies run there and then, on this thread, with vLLM's
+compute threads, which would otherwise hold every core. Blocks the lease does
 not cover (evicted since the scheduler's lookup, or failed verification) are reported
 as load errors and vLLM recomputes them.
 
 Saving: at a step's first ``save_layer`` the blocks that step fills are reserved (one
-round trip); each layer is copied into the reserved slots on the copy thread as soon as
+round trip); each layer is copied into the reserved slots by the copy engine as soon as
 the forward pass has written it. ``finish_step`` decides whether the step's saves are
 trusted (below) and, with ``defer_saves`` (the default), leaves the rest to the commit
 thread (``vllm_saves``): it waits for the layer copies and commits, while the engine goes
@@ -28,14 +29,14 @@ failing step and in the next, which async scheduling may have planned before vLL
 the recompute, planned after the rollback, saves those blocks right.
 
 Prefill/decode handoffs (``vllm_handoff``): the sender's layer copies share the copy
-thread and its handoffs are cancelled in a step whose loads failed; a step waits for its
+engine and its handoffs are cancelled in a step whose loads failed; a step waits for its
 copies only, the decode daemon's acknowledgement is waited for on the sender's thread,
 with the sender's own client; the receiver runs on its own thread and reports through
 ``finished_receiving``.
 
-Owner: vLLM's worker thread calls every method; the copy thread only runs the copies
-queued here and touches nothing else; the commit thread only runs the commits queued
-here, and is the only writer of ``saved_blocks`` and ``aborted_saves`` while it runs.
+Owner: vLLM's worker thread calls every method (and runs the CPU copies); the commit
+thread only runs the commits queued here, and is the only writer of ``saved_blocks`` and
+``aborted_saves`` while it runs.
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ from kvstore.connectors.vllm_layout import (
     BlockOrder,
     BlockRun,
     CopyJob,
-    CopyThread,
     CudaCopies,
+    HostCopies,
     LayerCopier,
     runs_of,
     runs_on,
@@ -111,7 +112,7 @@ class WorkerSide:
         self._layer_of: dict[str, int] = {}
         self._copier: LayerCopier | None = None
         self._block_bytes = 0
-        self._copies: CopyThread | CudaCopies = CopyThread("kvstore-copy")  # CudaCopies once a CUDA cache registers
+        self._copies: HostCopies | CudaCopies = HostCopies()  # CudaCopies once a CUDA cache registers
         self._device: torch.device | None = None  # the caches' CUDA device
         self._saves_blocks = True  # False on the MLA ranks that only read (register decides)
         self._sender: HandoffSender | None = None  # PD producer
@@ -183,7 +184,13 @@ class WorkerSide:
         sender_digest = self._sender_client.ensure_namespace(namespace)
         self._sender = HandoffSender(self._sender_client, sender_digest, self._copier, self._copies, timeout, tp_rank)
         self._receiver = HandoffReceiver(self._settings.socket_path, namespace, self._copier, self._caches, timeout, tp_rank)
-        logger.info("kvstore: worker registered %d layers, namespace %s, daemon node %s", len(ordered), namespace.id, self._client.node_id)
+        logger.info(
+            "kvstore: worker registered %d layers (block copies: %s), namespace %s, daemon node %s",
+            len(ordered),
+            ", ".join(sorted({order.copies for order in orders})),
+            namespace.id,
+            self._client.node_id,
+        )
 
     # -- loading ---------------------------------------------------------------------------
     def start_load(self, metadata: KVStoreConnectorMetadata) -> None:

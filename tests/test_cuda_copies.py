@@ -1,6 +1,6 @@
 """The vLLM connector's copy engine over GPU-backend cache layouts.
 
-The same round trip runs on CPU (``CopyThread``, here and in CI) and on CUDA
+The same round trip runs on CPU (``HostCopies``, here and in CI) and on CUDA
 (``CudaCopies``: its own load and store streams, an event per layer, the pinned slab
 read and written in place by the gather/scatter kernels), for every ``KVCacheLayout``
 and for MLA's latent. The CUDA tests are marked ``gpu`` and run by ``make gpu-check``.
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench.cuda_layouts import LAYOUTS, flash_writer, layer_views, mla_writer
-from kvstore.connectors.vllm_layout import BlockOrder, CopyThread, CudaCopies, LayerCopier, runs_of, runs_on, wait_all
+from kvstore.connectors.vllm_layout import BlockOrder, CudaCopies, HostCopies, LayerCopier, runs_of, runs_on, wait_all
 from kvstore.layout import KVLayout
 from kvstore.tiers import device as device_memory
 
@@ -45,7 +45,7 @@ def _round_trip(device: str, order: tuple[int, ...], mla: bool, pin: bool = True
     try:
         slots = [slab[i * layout.block_bytes : (i + 1) * layout.block_bytes] for i in range(len(SAVED))]
         runs = runs_of(SAVED, slots, layout.block_bytes)
-        copies = CudaCopies(dev) if dev.type == "cuda" else CopyThread("test-copy")
+        copies = CudaCopies(dev) if dev.type == "cuda" else HostCopies()
         if dev.type == "cuda":
             runs = runs_on(dev, runs, layout.block_bytes)
         in_place = sum(run.first_slot.device.type == "cuda" for run in runs)

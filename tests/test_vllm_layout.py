@@ -1,8 +1,9 @@
 """BlockOrder: learning an engine's in-block KV order from its cache-write kernel.
 
 The writers here stand in for vLLM's CPU kernels (the real ones are exercised by
-test_vllm_e2e against a reference forward pass): one stores K transposed like the
-``vec`` kernel, one packs K in pairs of dims like a VNNI/AMX layout (not affine: the
+test_vllm_e2e against a reference forward pass): one stores K and V alike (one view
+covers both planes, as in the GPU layouts), one stores K transposed like the ``vec``
+kernel, one packs K in pairs of dims like a VNNI/AMX layout (not affine: the
 gather path), and broken ones that lose or duplicate elements.
 """
 
@@ -11,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from kvstore.connectors.vllm_layout import BlockOrder, CopyThread, LayerCopier, runs_of, wait_all
+from kvstore.connectors.vllm_layout import BlockOrder, CopyJob, HostCopies, LayerCopier, runs_of, wait_all
 from kvstore.errors import InvalidArgument
 from kvstore.layout import KVLayout
 
@@ -23,6 +24,13 @@ def transposed_k_writer(key, value, scratch):
     """Per head: K as (dim, tokens), then V as (tokens, dim)."""
     block = scratch[0].view(HEADS, 2, TOKENS * DIM)
     block[:, 0] = key.permute(1, 2, 0).reshape(HEADS, -1)
+    block[:, 1] = value.permute(1, 0, 2).reshape(HEADS, -1)
+
+
+def plain_writer(key, value, scratch):
+    """Per head: K as (tokens, dim), then V the same way: one view covers both planes."""
+    block = scratch[0].view(HEADS, 2, TOKENS * DIM)
+    block[:, 0] = key.permute(1, 0, 2).reshape(HEADS, -1)
     block[:, 1] = value.permute(1, 0, 2).reshape(HEADS, -1)
 
 
@@ -39,13 +47,15 @@ def reference_planes(native: torch.Tensor, writer) -> torch.Tensor:
     block = native.view(HEADS, 2, TOKENS * DIM)
     if writer is transposed_k_writer:
         planes[0] = block[:, 0].view(HEADS, DIM, TOKENS).transpose(1, 2)
+    elif writer is plain_writer:
+        planes[0] = block[:, 0].view(HEADS, TOKENS, DIM)
     else:
         planes[0] = block[:, 0].view(HEADS, DIM // 2, TOKENS, 2).permute(0, 2, 1, 3).reshape(HEADS, TOKENS, DIM)
     planes[1] = block[:, 1].view(HEADS, TOKENS, DIM)
     return planes
 
 
-@pytest.mark.parametrize("writer", [transposed_k_writer, paired_k_writer])
+@pytest.mark.parametrize("writer", [plain_writer, transposed_k_writer, paired_k_writer])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_saved_planes_are_k_then_v_head_major_and_load_restores_the_block(writer, dtype):
     order = BlockOrder.discover(writer, SHAPE, dtype, HEADS, TOKENS, DIM, "layer 0")
@@ -61,9 +71,12 @@ def test_saved_planes_are_k_then_v_head_major_and_load_restores_the_block(writer
     assert not restored[[0, 3, 4, 5]].any()  # nothing outside the target blocks was touched
 
 
-def test_the_transposed_layout_copies_through_strided_views_and_the_packed_one_through_the_index():
-    assert BlockOrder.discover(transposed_k_writer, SHAPE, torch.bfloat16, HEADS, TOKENS, DIM, "x")._strided is not None
-    assert BlockOrder.discover(paired_k_writer, SHAPE, torch.bfloat16, HEADS, TOKENS, DIM, "x")._strided is None
+def test_planes_laid_out_alike_copy_through_one_view_the_transposed_through_one_each_the_packed_through_the_index():
+    copies = {
+        writer.__name__: BlockOrder.discover(writer, SHAPE, torch.bfloat16, HEADS, TOKENS, DIM, "x").copies
+        for writer in (plain_writer, transposed_k_writer, paired_k_writer)
+    }
+    assert copies == {"plain_writer": "one view", "transposed_k_writer": "a view per plane", "paired_k_writer": "gather"}
 
 
 def test_a_kernel_that_leaves_elements_unwritten_is_refused():
@@ -99,7 +112,7 @@ def test_runs_join_blocks_whose_slots_are_adjacent_listing_ids_that_are_not_cons
     assert runs[1].first_slot.data_ptr() == slots[3].data_ptr()
 
 
-@pytest.mark.parametrize("writer", [transposed_k_writer, paired_k_writer])
+@pytest.mark.parametrize("writer", [plain_writer, transposed_k_writer, paired_k_writer])
 def test_the_layer_copier_moves_one_layer_of_every_run_and_nothing_else(writer):
     layout = KVLayout(num_layers=3, num_kv_heads=HEADS, head_dim=DIM, block_size=TOKENS, dtype="bfloat16", inner_order="HND")
     orders = [BlockOrder.discover(writer, SHAPE, torch.bfloat16, HEADS, TOKENS, DIM, f"layer {i}") for i in range(3)]
@@ -122,10 +135,11 @@ def test_the_layer_copier_moves_one_layer_of_every_run_and_nothing_else(writer):
     assert not restored[[b for b in range(12) if b not in blocks]].any()
 
 
+@pytest.mark.parametrize("writer", [plain_writer, transposed_k_writer, paired_k_writer])
 @pytest.mark.parametrize("blocks", [[3, 4, 5, 6], [9, 8, 7, 6], [2, 10, 5, 0]], ids=["consecutive", "counting-down", "any-order"])
-def test_a_run_of_adjacent_slots_round_trips_whatever_order_its_blocks_are_in(blocks):
+def test_a_run_of_adjacent_slots_round_trips_whatever_order_its_blocks_are_in(blocks, writer):
     layout = KVLayout(num_layers=2, num_kv_heads=HEADS, head_dim=DIM, block_size=TOKENS, dtype="bfloat16", inner_order="HND")
-    orders = [BlockOrder.discover(transposed_k_writer, SHAPE, torch.bfloat16, HEADS, TOKENS, DIM, f"layer {i}") for i in range(2)]
+    orders = [BlockOrder.discover(writer, SHAPE, torch.bfloat16, HEADS, TOKENS, DIM, f"layer {i}") for i in range(2)]
     copier = LayerCopier(layout, torch.bfloat16, orders)
     slab = torch.zeros(len(blocks) * layout.block_bytes, dtype=torch.uint8)
     slots = [slab[i * layout.block_bytes : (i + 1) * layout.block_bytes] for i in range(len(blocks))]
@@ -136,44 +150,54 @@ def test_a_run_of_adjacent_slots_round_trips_whatever_order_its_blocks_are_in(bl
     for block, slot in zip(blocks, slots):  # each slot holds its own block, in store order
         offset, length = layout.layer_slice(1)
         stored = slot[offset : offset + length].view(torch.bfloat16).view(2, HEADS, TOKENS, DIM)
-        assert torch.equal(stored, reference_planes(cache[block], transposed_k_writer))
+        assert torch.equal(stored, reference_planes(cache[block], writer))
     restored = torch.zeros(12, *SHAPE, dtype=torch.bfloat16)
     copier.load(restored, 1, runs)
     assert torch.equal(restored[blocks], cache[blocks])
     assert not restored[[b for b in range(12) if b not in blocks]].any()
 
 
-def test_a_copy_the_copy_thread_has_not_started_runs_on_the_waiting_thread_once():
-    copies = CopyThread("test-copy")
-    release = threading.Event()
-    ran_on: list[str] = []
-    blocker = copies.submit(release.wait)  # keeps the copy thread busy
-    job = copies.submit(lambda: ran_on.append(threading.current_thread().name))
-    assert job.exception() is None  # did not wait for the blocked thread: ran here
-    assert ran_on == [threading.current_thread().name]
-    release.set()
-    blocker.result()
+def test_host_copies_run_at_once_on_the_calling_thread_in_order():
+    """No thread of kvstore's runs torch work beside vLLM's compute threads (a second OpenMP
+    team slowed the engine's forward pass): each copy is done when it is handed over."""
+    copies = HostCopies()
+    ran: list[tuple[str, str]] = []
+    load = copies.submit_load(lambda: ran.append(("load", threading.current_thread().name)))
+    assert load.done() and ran == [("load", threading.current_thread().name)]
+    save = copies.submit_save(lambda: ran.append(("save", threading.current_thread().name)))
+    assert save.done() and [what for what, _ in ran] == ["load", "save"]
+    assert {name for _, name in ran} == {threading.current_thread().name}
+    assert wait_all([load, save]) is None
     copies.shutdown()
-    assert ran_on == [threading.current_thread().name]  # the copy thread skipped it
 
 
 def test_a_failed_copy_hands_its_error_to_the_waiter():
-    copies = CopyThread("test-copy")
+    copies = HostCopies()
 
     def broken():
         raise RuntimeError("slab view out of range")
 
-    job = copies.submit(broken)
+    job = copies.submit_load(broken)  # raises nothing into the engine here
     assert isinstance(job.exception(), RuntimeError)
     with pytest.raises(RuntimeError, match="out of range"):
         job.result()
-    copies.shutdown()
 
 
-def test_after_a_failed_copy_the_copies_queued_behind_it_are_waited_for():
+def test_a_copy_no_thread_has_started_runs_on_the_waiting_thread_once():
+    """A job queued elsewhere (a copy engine that runs jobs later) that nobody has started
+    is run by the first thread that waits for it, and only once."""
+    ran_on: list[str] = []
+    job = CopyJob(lambda: ran_on.append(threading.current_thread().name), ())
+    other = threading.Thread(target=job.run, name="late-runner")
+    assert job.exception() is None
+    other.start()
+    other.join()
+    assert ran_on == [threading.current_thread().name]
+
+
+def test_after_a_failed_copy_the_copies_behind_it_are_waited_for():
     """The worker releases a step's leases once its copies are done; a copy that is still
     running after an earlier one failed reads slots that must not be let go yet."""
-    copies = CopyThread("test-copies")
     release = threading.Event()
     finished = []
 
@@ -184,11 +208,12 @@ def test_after_a_failed_copy_the_copies_queued_behind_it_are_waited_for():
         release.wait(5)
         finished.append(True)
 
-    jobs = [copies.submit(failing), copies.submit(slow)]
+    jobs = [CopyJob(failing, ()), CopyJob(slow, ())]
+    for job in jobs:
+        threading.Thread(target=job.run).start()
     threading.Timer(0.3, release.set).start()
     error = wait_all(jobs)
     assert isinstance(error, RuntimeError) and finished == [True]
-    copies.shutdown()
 
 
 @pytest.mark.parametrize("element", [torch.float8_e4m3fn, torch.float8_e5m2])

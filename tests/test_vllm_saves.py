@@ -1,27 +1,30 @@
-"""The vLLM worker's deferred saves (connectors/vllm_saves.py), with real copy jobs on a
-copy thread and commits that the test holds: no vLLM needed."""
+"""The vLLM worker's deferred saves (connectors/vllm_saves.py), with real copy jobs that
+run on a thread of the test's (as a CUDA stream runs them, after the step) and commits
+that the test holds: no vLLM needed."""
 
 from __future__ import annotations
 
 import threading
 
-from kvstore.connectors.vllm_layout import CopyThread
+from kvstore.connectors.vllm_layout import CopyJob
 from kvstore.connectors.vllm_saves import DeferredSaves
 
 
-def held_copy(copies: CopyThread, release: threading.Event, log: list[str], name: str):
+def held_copy(release: threading.Event, log: list[str], name: str) -> CopyJob:
     def copy() -> None:
         assert release.wait(10)
         log.append(name)
 
-    return copies.submit(copy)
+    job = CopyJob(copy, ())
+    threading.Thread(target=job.run, daemon=True).start()
+    return job
 
 
 def test_a_step_commits_only_after_its_copies_and_its_requests_finish_only_after_the_commit():
-    copies, saves, log = CopyThread("test-copy"), DeferredSaves(), []
+    saves, log = DeferredSaves(), []
     copied, committing, committed = threading.Event(), threading.Event(), threading.Event()
     try:
-        job = held_copy(copies, copied, log, "copy")
+        job = held_copy(copied, log, "copy")
 
         def commit() -> None:
             log.append("commit")
@@ -45,7 +48,6 @@ def test_a_step_commits_only_after_its_copies_and_its_requests_finish_only_after
         copied.set()
         committed.set()
         saves.close()
-        copies.shutdown()
 
 
 def test_a_request_is_finished_once_every_step_that_saved_it_is_over():

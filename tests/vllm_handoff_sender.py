@@ -19,7 +19,7 @@ import torch
 
 from kvstore.client import HandoffSend
 from kvstore.connectors.vllm_handoff import HandoffSender
-from kvstore.connectors.vllm_layout import CopyThread
+from kvstore.connectors.vllm_layout import HostCopies
 from kvstore.connectors.vllm_meta import HandoffSpec
 from kvstore.errors import TransferFailed
 
@@ -69,7 +69,7 @@ class FakeClient:
 
 @contextlib.contextmanager
 def sender_on(client: FakeClient) -> Iterator[HandoffSender]:
-    copies = CopyThread("test-copy")
+    copies = HostCopies()
     sender = HandoffSender(client, b"digest", FakeCopier(client.slab), copies, timeout_s=5.0, tp_rank=0)
     try:
         yield sender

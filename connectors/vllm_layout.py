@@ -160,11 +160,8 @@ class BlockOrder:
             planes.copy_(flat.index_select(1, self.gather))
             return
         target = planes.view(planes.shape[0], self._num_planes, *self._planes_shape)
-        if self._joint is not None:
-            target.copy_(self._joint_view(flat))
-            return
-        for plane, view in enumerate(self._plane_views(flat)):
-            target[:, plane].copy_(view)
+        for view, which in self._native_views(flat):
+            target[:, which].copy_(view)
 
     def load(self, planes: torch.Tensor, native: torch.Tensor, block_ids: torch.Tensor | None = None) -> None:
         """Copy ``planes`` into engine blocks: ``native`` (n blocks of the layer's view), or,
@@ -181,11 +178,8 @@ class BlockOrder:
                 native.index_copy_(0, block_ids, staged)
                 return
             source = planes.view(planes.shape[0], self._num_planes, *self._planes_shape)
-            if self._joint is not None:
-                self._joint_view(flat).index_copy_(0, block_ids, source)
-                return
-            for plane, view in enumerate(self._plane_views(flat)):
-                view.index_copy_(0, block_ids, source[:, plane])
+            for view, which in self._native_views(flat):
+                view.index_copy_(0, block_ids, source[:, which])
             return
         if flat is None:
             staged = torch.empty((native.shape[0], native[0].numel()), dtype=native.dtype, device=native.device)
@@ -199,21 +193,20 @@ class BlockOrder:
             flat.index_copy_(1, self.gather, planes)
             return
         source = planes.view(planes.shape[0], self._num_planes, *self._planes_shape)
+        for view, which in self._native_views(flat):
+            view.copy_(source[:, which])
+
+    def _native_views(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, int | slice]]:
+        """Strided views of the blocks ``flat``, each with the planes of the store order it
+        holds: one (n, planes, heads, tokens, dim) view of every plane where they are laid
+        out alike, else one (n, heads, tokens, dim) view per plane."""
+        row, base = flat.stride(0), flat.storage_offset()
         if self._joint is not None:
-            self._joint_view(flat).copy_(source)
-            return
-        for plane, view in enumerate(self._plane_views(flat)):
-            view.copy_(source[:, plane])
-
-    def _plane_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+            plane_stride, strides, offset = self._joint
+            shape = (flat.shape[0], self._num_planes, *self._planes_shape)
+            return [(flat.as_strided(shape, (row, plane_stride, *strides), base + offset), slice(None))]
         shape = (flat.shape[0], *self._planes_shape)
-        return [flat.as_strided(shape, (flat.stride(0), *strides), flat.storage_offset() + offset) for strides, offset in self._strided]
-
-    def _joint_view(self, flat: torch.Tensor) -> torch.Tensor:
-        """All planes of the blocks ``flat`` as one (n, planes, heads, tokens, dim) view."""
-        plane_stride, strides, offset = self._joint
-        shape = (flat.shape[0], self._num_planes, *self._planes_shape)
-        return flat.as_strided(shape, (flat.stride(0), plane_stride, *strides), flat.storage_offset() + offset)
+        return [(flat.as_strided(shape, (row, *strides), base + offset), plane) for plane, (strides, offset) in enumerate(self._strided)]
 
 
 def _flat_blocks(native: torch.Tensor) -> torch.Tensor | None:
@@ -320,8 +313,9 @@ class LayerCopier:
 def _joint_planes(planes: list[tuple[tuple[int, ...], int]] | None) -> tuple[int, tuple[int, ...], int] | None:
     """(plane stride, strides, first offset) of one view over every plane, or None when the
     planes' strides differ or their offsets are not evenly spaced. One copy moves both
-    planes: writing a vec-kernel block (each token's K then V, 128 bytes each) a plane at a
-    time took 10.3 ms for 64 MiB on one core, both at once 7.7 ms."""
+    planes: into blocks whose (head, token) cells hold K then V (128 bytes each), as
+    FlashAttention's do, a plane at a time took 10.3 ms for 64 MiB on one CPU core, both at
+    once 7.7 ms."""
     if planes is None:
         return None
     (strides, first), *others = planes

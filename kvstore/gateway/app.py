@@ -2,7 +2,12 @@
 
 For each ``/v1/completions`` or ``/v1/chat/completions`` request the router
 
-1. checks it (size, JSON, model) without touching an engine;
+0. with API keys configured, lets in only a request that presents one, whose tenant is the
+   key's (auth.py) and so are its sessions, and with ``salt_from_tenant`` sets its
+   ``cache_salt`` to the tenant's;
+1. checks it (size, JSON, every field it reads against the OpenAI API: validation.py,
+   model) without touching an engine, and answers a malformed one with an OpenAI 400
+   naming the field;
 2. gets its token ids as the engine computes them (prompts.py) and hashes them into the
    chain of block keys of the engines' namespace (kvstore.hashing.chain_hashes, the
    function the connectors hash with), with its cache salt and LoRA adapter keyed as the
@@ -17,7 +22,9 @@ For each ``/v1/completions`` or ``/v1/chat/completions`` request the router
    that serve the request's model (an adapter only where it is loaded). On one host
    without Redis (``router.index = "daemons"``) the index is the replicas' daemons, asked
    over gRPC (index/daemons.py), and the sessions live in this router's memory;
-4. forwards the body untouched and streams the answer back chunk by chunk;
+4. forwards the body untouched (but for the tenant's salt) and streams the answer back
+   chunk by chunk; an engine's 4xx is answered as an OpenAI error naming the client's
+   field (openai_errors.py), never as the engine's dump;
 5. remembers the chain under the request's tenant label, for the cache bytes held per
    tenant that a background task measures against the index (tenant_cache.py).
 
@@ -55,9 +62,11 @@ from starlette.routing import Route
 
 from kvstore.config import IndexConfig
 from kvstore.errors import KVStoreError
+from kvstore.gateway.auth import presented_key, tenant_salt
 from kvstore.gateway.config import DAEMONS_INDEX, RouterConfig
 from kvstore.gateway.disagg import decode_transfer_params, prefill_request
 from kvstore.gateway.metrics import RouterMetrics
+from kvstore.gateway.openai_errors import engine_error, openai_error
 from kvstore.gateway.prompts import (
     BadRequest,
     LoraAdapter,
@@ -71,6 +80,7 @@ from kvstore.gateway.prompts import (
 from kvstore.gateway.reload import ConfigReload
 from kvstore.gateway.replicas import Replica, ReplicaSet
 from kvstore.gateway.tenant_cache import RecentChains, TenantCache
+from kvstore.gateway.validation import validate_request
 from kvstore.hashing import chain_hashes
 from kvstore.index.backends import open_index
 from kvstore.index.base import Index, SessionStore
@@ -84,10 +94,7 @@ __all__ = ["Gateway", "build_app", "openai_error"]
 
 _USAGE_TAIL_BYTES = 16 * 1024  # the end of a stream, where the usage chunk is
 _PASSED_REQUEST_HEADERS = ("authorization", "content-type", "accept")
-
-
-def openai_error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code or status}}, status_code=status)
+_UNAUTHORIZED = "Incorrect or missing API key: send the key this router gave you as 'Authorization: Bearer KEY' (or 'x-api-key: KEY')."
 
 
 @dataclass(slots=True)
@@ -177,7 +184,9 @@ class Gateway:
         status = 200 if healthy else 503
         return JSONResponse({"status": "ok" if healthy else "no healthy replica", "healthy_replicas": healthy}, status_code=status)
 
-    async def models(self, _request: Request) -> Response:
+    async def models(self, request: Request) -> Response:
+        if self._tenant(request) is None:
+            return _unauthorized()
         models = sorted(self.replicas.models())
         if not models:
             return openai_error(503, "No engine replica is healthy; the router has no model to serve.", "service_unavailable")
@@ -194,11 +203,16 @@ class Gateway:
 
     # -- the request path -----------------------------------------------------------------
     async def _serve(self, request: Request, kind: str, path: str) -> Response:
+        tenant = self._tenant(request)
+        if tenant is None:
+            self.metrics.requests.labels("none", "401").inc()
+            return _unauthorized()
         try:
-            body, payload = await self._read(request)
-            stream = payload.get("stream", False)
-            if not isinstance(stream, bool):
-                raise BadRequest("'stream' must be true or false.", "stream")
+            body, payload = await self._read(request, kind)
+            if self.config.salt_from_tenant:  # the tenant's, whatever the client sent: no block is keyed alike for two tenants
+                payload["cache_salt"] = tenant_salt(self.config.salt_secret, tenant)
+                body = json.dumps(payload).encode()
+            stream = payload.get("stream") is True
             model = payload["model"]
             unkeyed = unkeyed_inputs(kind, payload)  # its tokens alone would be a wrong key: not asked for
             token_ids = [] if unkeyed else await self._token_ids(kind, payload, request)
@@ -207,17 +221,18 @@ class Gateway:
             extra_keys = block_extra_keys(payload, len(token_ids) // block_size, adapter)
             hashes = [] if unkeyed else chain_hashes(token_ids, block_size, extra_keys=extra_keys)
             session = session_of(request.headers, self.config.session_header, kind, payload, hashes, self.config.session_prefix_blocks)
+            if session is not None and self.config.api_keys:  # the tenant's own: another naming its id neither joins nor moves it
+                session = dataclasses.replace(session, session_id=f"{tenant}/{session.session_id}")
         except BadRequest as exc:
             self.metrics.requests.labels("none", str(exc.status)).inc()
             return openai_error(exc.status, exc.message, param=exc.param, code=exc.code)
         except _Upstream as exc:
             self.metrics.requests.labels("none", str(exc.response.status_code)).inc()
-            return Response(exc.response.content, exc.response.status_code, media_type=exc.response.headers.get("content-type"))
+            return exc.translated(kind, payload)
         except _NoReplica as exc:
             self.metrics.requests.labels("none", "503").inc()
             return openai_error(503, str(exc), "service_unavailable")
-        tenant = self._tenant(request)
-        headers = {k: v for k, v in request.headers.items() if k in _PASSED_REQUEST_HEADERS}
+        headers = self._engine_headers(request, _PASSED_REQUEST_HEADERS)
         try:
             session_id = session.session_id if session else ""
             if self.replicas.disaggregated():
@@ -228,7 +243,7 @@ class Gateway:
             self.metrics.requests.labels("none", "503").inc()
             return openai_error(503, str(exc), "service_unavailable")
         except _Upstream as exc:  # the prefill replica's own 4xx
-            return Response(exc.response.content, exc.response.status_code, media_type=exc.response.headers.get("content-type"))
+            return exc.translated(kind, payload)
         except KVStoreError as exc:  # the index or session store cannot answer
             self.metrics.requests.labels("none", "503").inc()
             return openai_error(503, f"The router cannot reach its index: {exc}", "service_unavailable")
@@ -262,9 +277,11 @@ class Gateway:
             await routed.upstream.aclose()
             self._finish(routed)
         self._observe(routed, tenant, stream=False, usage=_usage_of(content))
+        if 400 <= routed.upstream.status_code < 500:
+            return engine_error(routed.upstream.status_code, content, kind, payload, info)
         return Response(content, routed.upstream.status_code, info, media_type=routed.upstream.headers.get("content-type"))
 
-    async def _read(self, request: Request) -> tuple[bytes, dict[str, Any]]:
+    async def _read(self, request: Request, kind: str) -> tuple[bytes, dict[str, Any]]:
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -288,6 +305,7 @@ class Gateway:
         model = payload.get("model")
         if not isinstance(model, str) or not model:
             raise BadRequest("'model' is required: one of the models /v1/models lists.", "model")
+        validate_request(kind, payload)
         served = self.replicas.models()
         if not served:
             raise _NoReplica("No engine replica is healthy; retry once one is back.")
@@ -314,7 +332,7 @@ class Gateway:
         if given is not None:
             return given
         tokenize = tokenize_request(kind, payload)
-        headers = {k: v for k, v in request.headers.items() if k == "authorization"}
+        headers = self._engine_headers(request, ("authorization",))
         for replica in self.replicas.healthy(payload["model"]):  # only those know an adapter's name
             try:
                 response = await self.client.post(f"{replica.config.url}/tokenize", json=tokenize, headers=headers)
@@ -324,7 +342,7 @@ class Gateway:
             if response.status_code >= 500:
                 continue
             if response.status_code != 200:
-                raise _Upstream(response)  # the engine's own sentence about what is wrong with the prompt
+                raise _Upstream(response, replica.node_id)  # the engine's own sentence about what is wrong with the prompt
             tokens = response.json().get("tokens")
             if not isinstance(tokens, list):
                 continue
@@ -451,7 +469,7 @@ class Gateway:
             self._finish(prefill)
         self._observe(prefill, tenant, stream=False, usage=_usage_of(content))
         if prefill.upstream.status_code != 200:
-            raise _Upstream(prefill.upstream)
+            raise _Upstream(prefill.upstream, prefill.replica.node_id)
         params = decode_transfer_params(content)
         decode_body = json.dumps({**payload, "kv_transfer_params": params} if params else payload).encode()
         others = {r.node_id for r in self.replicas.replicas.values() if r.node_id != decoder.node_id}
@@ -519,7 +537,14 @@ class Gateway:
         if isinstance(prompt, int) and isinstance(cached, int):
             self.metrics.usage(node_id, tenant, prompt, cached)
 
-    def _tenant(self, request: Request) -> str:
+    def _tenant(self, request: Request) -> str | None:
+        """The request's tenant. With API keys, the one its key names — a tenant header is
+        not read: the client does not choose — and None when it presents no key the router
+        knows. Without, the tenant header, else a digest of its credential."""
+        keys = self.config.api_keys
+        if keys:
+            presented = presented_key(request.headers)
+            return keys.tenant_of(presented) if presented else None
         named = request.headers.get(self.config.tenant_header)
         if named:
             return named[:64]
@@ -528,13 +553,27 @@ class Gateway:
             return f"key-{xxhash.xxh64_hexdigest(key.encode())[:8]}"
         return "anonymous"
 
+    def _engine_headers(self, request: Request, names: tuple[str, ...]) -> dict[str, str]:
+        """The client's headers among ``names`` that an engine gets. With API keys the
+        client's credential is the router's, never passed on."""
+        passed = tuple(n for n in names if n != "authorization") if self.config.api_keys else names
+        return {k: v for k, v in request.headers.items() if k in passed}
+
+
+def _unauthorized() -> JSONResponse:
+    return openai_error(401, _UNAUTHORIZED, code="invalid_api_key", headers={"www-authenticate": "Bearer"})
+
 
 class _Upstream(Exception):
-    """An engine's 4xx answer to a request of the router's making, passed on as it is."""
+    """An engine's 4xx answer to a request of the router's making (its /tokenize, or a
+    prefill), answered as an OpenAI error naming the client's field."""
 
-    def __init__(self, response: httpx.Response) -> None:
+    def __init__(self, response: httpx.Response, node_id: str) -> None:
         super().__init__(response.status_code)
-        self.response = response
+        self.response, self.node_id = response, node_id
+
+    def translated(self, kind: str, payload: dict[str, Any]) -> JSONResponse:
+        return engine_error(self.response.status_code, self.response.content, kind, payload, {"x-kvstore-replica": self.node_id})
 
 
 def _cause(exc: httpx.TransportError) -> str:

@@ -36,11 +36,21 @@ Sessions then live in this router's memory: run one router replica in this mode:
     node_id = "gpu-0"
     daemon = "127.0.0.1:50551"           # its kvstore daemon's server.grpc_port
     daemon_token = ""                    # its server.auth_token, if set
+
+Clients with API keys (auth.py): each key names a tenant, the tenant of every request that
+presents it; ``salt_from_tenant`` sets each request's ``cache_salt`` from its tenant, so that
+tenants never share KV (the secret comes from ``KVSTORE_ROUTER_SALT_SECRET`` or a file)::
+
+    [router]
+    api_keys_file = "/etc/kvstore/router-keys.toml"   # "sk-…" = "team-a"; and/or KVSTORE_ROUTER_API_KEYS
+    salt_from_tenant = true
+    salt_secret_file = "/etc/kvstore/router-salt"     # else KVSTORE_ROUTER_SALT_SECRET
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +58,7 @@ from typing import Any
 
 from kvstore.config import ConfigError, RoutingConfig, parse_size, read_toml
 from kvstore.engines_config import namespace_from
+from kvstore.gateway.auth import KEYS_ENV, MIN_SECRET_BYTES, SALT_SECRET_ENV, ApiKeys, load_api_keys, load_salt_secret
 from kvstore.index.base import MAX_CHAIN_BLOCKS
 from kvstore.namespace import Namespace
 
@@ -63,6 +74,8 @@ __all__ = [
 
 _ROLES = ("both", "prefill", "decode")
 DAEMONS_INDEX = "daemons"  # router.index for one host: ask each replica's daemon
+_LOADED = ("api_keys", "salt_secret", "routing")  # read from their own files and variables, never set in [router]
+_RELOADED = ("replicas", "api_keys", "api_keys_file")  # what a SIGHUP adopts (reload.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +122,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     session_header: str = "x-session-id"
-    tenant_header: str = "x-tenant-id"  # else the API key (its digest) names the tenant
+    tenant_header: str = "x-tenant-id"  # without api_keys, the client names its tenant here (else a digest of its credential)
     max_tenants: int = 32  # tenants beyond this many share the label "other"
     session_prefix_blocks: int = 16  # completions without an id: the session is the first this many blocks
     max_body_bytes: int = 16 * 1024**2
@@ -122,6 +135,11 @@ class RouterConfig:
     tenant_cache_blocks: int = 32_768  # per tenant label: at most this many blocks of them (16 bytes each)
     daemon_timeout_s: float = 0.5  # index "daemons": a daemon that has not answered by then holds nothing
     routing: RoutingConfig = RoutingConfig(remote_fetch=False)
+    api_keys_file: str = ""  # key → tenant (auth.py); with KVSTORE_ROUTER_API_KEYS, what api_keys holds
+    salt_from_tenant: bool = False  # each request's cache_salt is its tenant's (auth.tenant_salt), the client's replaced
+    salt_secret_file: str = ""  # the secret of tenant salts; else KVSTORE_ROUTER_SALT_SECRET
+    api_keys: ApiKeys = ApiKeys()  # none: every client is let in, and names its own tenant (tenant_header)
+    salt_secret: bytes = dataclasses.field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -171,12 +189,26 @@ class RouterConfig:
         for name in ("session_header", "tenant_header"):
             if not getattr(self, name) or getattr(self, name) != getattr(self, name).strip().lower():
                 raise ConfigError(f"router.{name} must be a non-empty lower-case header name, got {getattr(self, name)!r}.")
+        if self.salt_from_tenant and not self.api_keys:
+            raise ConfigError(
+                f"router.salt_from_tenant needs API keys (router.api_keys_file or {KEYS_ENV}): without them a client names its "
+                "own tenant, and so its salt."
+            )
+        if self.salt_from_tenant and len(self.salt_secret) < MIN_SECRET_BYTES:
+            raise ConfigError(
+                f"router.salt_from_tenant needs a secret of at least {MIN_SECRET_BYTES} bytes in {SALT_SECRET_ENV} or "
+                "router.salt_secret_file, the same on every router replica (e.g. openssl rand -hex 32)."
+            )
 
 
 def _coerce(name: str, raw: Any, kind: Any) -> Any:
     kind = str(kind)
     if name.endswith("_bytes"):
         return parse_size(raw, f"router.{name}")
+    if kind == "bool":
+        if not isinstance(raw, bool) and str(raw).lower() not in ("true", "false", "1", "0"):
+            raise ConfigError(f"router.{name} must be true or false, got {raw!r}.")
+        return raw if isinstance(raw, bool) else str(raw).lower() in ("true", "1")
     try:
         if kind == "int":
             return int(raw)
@@ -222,8 +254,8 @@ def load_router_config(
     for name, raw in section.items():
         if name in ("replicas", "namespace"):
             continue
-        if name not in fields or name == "routing":
-            known = sorted(set(fields) - {"routing"})
+        if name not in fields or name in _LOADED:
+            known = sorted(set(fields) - set(_LOADED))
             raise ConfigError(f"unknown setting router.{name}; known: {', '.join(known)}.")
         settings[name] = _coerce(name, raw, fields[name].type)
     listed = section.get("replicas", [])
@@ -239,13 +271,16 @@ def load_router_config(
     settings["namespace"] = namespace_from(section.get("namespace", {}))
     settings["routing"] = _routing(document.get("routing", {}))
     settings.setdefault("index", "")
+    settings["api_keys"] = load_api_keys(settings.get("api_keys_file", ""), os.environ)
+    settings["salt_secret"] = load_salt_secret(settings.get("salt_secret_file", ""), os.environ)
     return RouterConfig(**settings)
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaChanges:
     """What a reloaded configuration changes: its replica list against the running one
-    (by node id), and the other settings it changes, which apply only at the next start."""
+    (by node id), and the other settings it changes, which apply only at the next start
+    (the API keys apply at once, and are not listed: their count is logged)."""
 
     added: tuple[str, ...]
     removed: tuple[str, ...]
@@ -267,7 +302,7 @@ def replica_changes(current: RouterConfig, new: RouterConfig) -> ReplicaChanges:
     not_applied = tuple(
         "routing" if f.name == "routing" else f"router.{f.name}"
         for f in dataclasses.fields(RouterConfig)
-        if f.name != "replicas" and getattr(current, f.name) != getattr(new, f.name)
+        if f.name not in _RELOADED and getattr(current, f.name) != getattr(new, f.name)
     )
     return ReplicaChanges(
         added=tuple(node_id for node_id in after if node_id not in before),

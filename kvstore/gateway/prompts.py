@@ -32,6 +32,7 @@ import xxhash
 from kvstore.hashing import BlockHash, token_bytes
 
 __all__ = [
+    "TEXT_PART_TYPES",
     "BadRequest",
     "LoraAdapter",
     "block_extra_keys",
@@ -53,7 +54,7 @@ _CHAT_TOKENIZE_FIELDS = (
     "mm_processor_kwargs",
 )
 # vLLM's chat content parts that are text (renderers/chat_utils.py); any other part is media
-_TEXT_PART_TYPES = ("text", "input_text", "output_text", "thinking", "refusal", "tool_reference")
+TEXT_PART_TYPES = ("text", "input_text", "output_text", "thinking", "refusal", "tool_reference")
 MAX_SESSION_ID_CHARS = 256
 
 
@@ -136,7 +137,7 @@ def unkeyed_inputs(kind: str, payload: Mapping[str, Any]) -> str:
         content = message.get("content")
         for part in content if isinstance(content, list) else ():
             part_type = part.get("type", "text" if set(part) == {"text"} else "untyped") if isinstance(part, Mapping) else "untyped"
-            if part_type not in _TEXT_PART_TYPES:
+            if part_type not in TEXT_PART_TYPES:
                 return f"multimodal inputs (a content part of type {ascii(str(part_type)[:40])})"
     return ""
 

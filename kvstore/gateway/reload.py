@@ -1,8 +1,9 @@
 """Reloading the router's configuration on SIGHUP, as nginx and Prometheus do: the file is
 read again (with the command line's ``--replica`` and ``--set`` over it, as at start) and
-validated whole; its replica list is adopted, and the other settings stay as they started
+validated whole; its replica list and its API keys (router.api_keys_file and
+KVSTORE_ROUTER_API_KEYS, auth.py) are adopted, and the other settings stay as they started
 (a change to one is named in the log: it takes a restart). A file that does not load is
-refused with a logged sentence and the running list kept.
+refused with a logged sentence and the running list and keys kept.
 
 The replica set (replicas.py) does the adopting: a new replica enters rotation at its
 first passing health check; one no longer listed leaves rotation at once, and its sessions
@@ -44,7 +45,7 @@ class ConfigReload:
             new = self._load()
             # the running settings (its index among them) judge the new list: a one-host
             # router needs each replica's daemon even if the file now names a redis:// index
-            adopted = dataclasses.replace(current, replicas=new.replicas)
+            adopted = dataclasses.replace(current, replicas=new.replicas, api_keys=new.api_keys, api_keys_file=new.api_keys_file)
         except KVStoreError as exc:
             self._metrics.reloaded(applied=False)
             logger.warning("kvstore router: configuration reload refused, the replica list stays %s: %s", running, exc)
@@ -52,5 +53,5 @@ class ConfigReload:
         changes = replica_changes(current, new)
         self._replicas.adopt(new.replicas)
         self._metrics.reloaded(applied=True)
-        logger.info("kvstore router: configuration reloaded: %s.", changes.describe())
+        logger.info("kvstore router: configuration reloaded: %s; %d API keys.", changes.describe(), len(adopted.api_keys.digests))
         return adopted

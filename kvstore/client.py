@@ -67,8 +67,8 @@ from kvstore.errors import DaemonUnavailable, InvalidArgument, KVStoreError
 from kvstore.hashing import BlockHash
 from kvstore.localproto import HEADER, MAX_REPLY_BYTES, OP_NAMES, PROTOCOL_VERSION, TIERS_BY_CODE, Op
 from kvstore.namespace import Namespace
-from kvstore.paths import default_socket_path
-from kvstore.remote_read import DirectRead, PeerReader, reads_directly
+from kvstore.paths import check_client_path, default_socket_path
+from kvstore.remote_read import DirectRead, PeerReader
 from kvstore.tier_kind import TierKind
 from kvstore.tiers import device
 from kvstore.tiers.base import (
@@ -249,7 +249,8 @@ class _Core:
     # -- the connection ---------------------------------------------------------------------
     def hello(self) -> Call:
         """What a new connection says first: the handshake, then every namespace again."""
-        slab_path, node_id, _version, verifies = yield _Request(Op.HELLO, (PROTOCOL_VERSION,))
+        slab_path, node_id, _version, verifies, reader = yield _Request(Op.HELLO, (PROTOCOL_VERSION,))
+        self.peers.configure(reader)  # how this engine authenticates to peers it reads itself
         self._unmap()  # the old daemon's slab: views into it still held keep it mapped until they go
         self.slab = SharedSlab.attach(slab_path)
         if self.pin_for_gpu:
@@ -314,14 +315,16 @@ class _Core:
         views = self._checked_blocks(namespace, hashes, into)
         started = time.monotonic()
         done = yield from self._load_cached(namespace, hashes, views)
-        if not allow_remote or done == len(hashes):
+        remaining = deadline_s - (time.monotonic() - started)
+        if not allow_remote or done == len(hashes) or remaining <= 0:
             return done
-        address, upto = yield _Request(Op.LOCATE, (namespace, localproto.pack_hashes(hashes), done, source))
+        # the daemon's index lookup ends within what is left of the deadline, and then is a miss
+        address, upto = yield _Request(Op.LOCATE, (namespace, localproto.pack_hashes(hashes), done, source, remaining))
         upto = min(upto, len(hashes))
         remaining = deadline_s - (time.monotonic() - started)
         if upto <= done or remaining <= 0:
             return done
-        if reads_directly(address) and all(view.device.type == "cpu" for view in views[done:upto]):
+        if self.peers.reads(address) and all(view.device.type == "cpu" for view in views[done:upto]):
             destinations = [memoryview(view.numpy()) for view in views[done:upto]]
             read = yield _DirectRead(address, namespace, hashes[done:upto], destinations, remaining)
             if read.num_blocks or read.num_dropped:
@@ -615,6 +618,7 @@ class _Connection:
         # replies land here first: sock.recv(1 MiB) would allocate (and give back) a MiB per reply, ~10 µs
         self._landing = memoryview(bytearray(1 << 20))
         self._sock_timeout: float | None = None
+        check_client_path(Path(path), "socket")  # whoever owns its directory may answer in the daemon's place
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._set_timeout(timeout_s)

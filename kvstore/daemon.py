@@ -2,8 +2,10 @@
 
 Start: reclaim what a crashed run left (a socket nobody answers on, the host tier's
 shared-memory file), open the tiers (a broken NVMe directory is reported and the node
-runs from memory), serve the local protocol on the Unix socket (mode 0600/0660), the gRPC
-API on TCP, the peer transport (TCP or UCX: remote fetch, handoff, drain) and Prometheus
+runs from memory), serve the local protocol on the Unix socket (mode 0600/0660, in a
+directory no other user owns or can write), the gRPC API on TCP (behind server.auth_token,
+else a token generated once per user: kvstore/paths.py), the peer transport (TCP or UCX:
+remote fetch, handoff, drain) and Prometheus
 metrics over HTTP, and write a state file next to the socket
 (pid, addresses) so that the CLI and tests find ports chosen at start. The node registers
 with the block-location index (embedded, or Redis for a fleet) and publishes its block
@@ -25,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -37,12 +38,13 @@ from kvstore.config import DaemonConfig
 from kvstore.engines import EngineMetrics, EngineSubscriptions
 from kvstore.errors import KVStoreError, TierUnavailable
 from kvstore.gcpolicy import GcPolicy
-from kvstore.index.backends import open_index
+from kvstore.index.backends import check_access, open_index
 from kvstore.index.base import NodeInfo
 from kvstore.local_server import LocalServer
 from kvstore.metrics import Metrics
 from kvstore.node import Node
-from kvstore.paths import state_path_for
+from kvstore.paths import check_daemon_dir, load_or_create_token, state_path_for, write_state
+from kvstore.posture import log_posture, posture
 from kvstore.publisher import IndexPublisher
 from kvstore.router import Router
 from kvstore.steps import run_steps
@@ -73,6 +75,20 @@ def _reclaim_socket(path: Path) -> None:
     finally:
         probe.close()
     raise KVStoreError(f"another kvstore daemon is serving on {path}; stop it or configure another socket_path.")
+
+
+def _share_with_group(paths: tuple[Path, ...], gid: int) -> None:
+    """Give the socket and the host slab to the socket's group: a member connects and maps
+    the slab read-write (an engine copies into it), which the group then trusts with the
+    KV of every tenant of this daemon."""
+    for path in paths:
+        try:
+            os.chown(path, -1, gid)
+            os.chmod(path, 0o660)
+        except OSError as exc:
+            raise KVStoreError(
+                f"cannot give {path} to group {gid} ({exc.strerror}); the daemon's user must be a member of server.socket_group."
+            ) from exc
 
 
 def _open_tiers(config: DaemonConfig) -> list:
@@ -109,8 +125,14 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
 
     server_config = config.server
     socket_path = Path(server_config.socket_path)
-    socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    socket_gid = server_config.socket_gid  # None: only this user; else the group that may connect and map the slab
+    check_daemon_dir(socket_path.parent, 0o700 if socket_gid is None else 0o750, socket_gid)
     _reclaim_socket(socket_path)
+    if not server_config.auth_token:  # gRPC is never open to every local user: a token of this user's own
+        server_config = dataclasses.replace(server_config, auth_token=load_or_create_token(server_config.auth_token_file))
+    # first, so that settings Redis refuses stop the daemon before it holds any memory
+    index, sessions = open_index(config.index)
+    await check_access(config.index, index)
 
     # demotion waits for NVMe: the daemon runs it in the background (housekeeping), never inside a commit
     tiers = _open_tiers(config)
@@ -125,8 +147,7 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
-    index, sessions = open_index(config.index)
-    transport = open_transport(config.transport)
+    transport = open_transport(config.transport, metrics.refused_peer)
     transfers = None if transport is None else TransferService(node, transport, config.transport, index)
     transport_address = "" if transfers is None else await transfers.start()
 
@@ -139,6 +160,8 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
     finally:
         os.umask(old_umask)
     os.chmod(socket_path, server_config.socket_mode)
+    if socket_gid is not None:
+        _share_with_group((socket_path, Path(slab_path)), socket_gid)
 
     router = Router(node, index, sessions, config.routing)
     engines = EngineSubscriptions(config.engines, index)
@@ -160,7 +183,8 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         "metrics_port": metrics_port,
         "host_slab": slab_path,
     }
-    state_path_for(socket_path).write_text(json.dumps(state))
+    state_mode = 0o600 if socket_gid is None else 0o640
+    write_state(socket_path, {**state, "auth_token_file": str(server_config.auth_token_file)}, state_mode, socket_gid)
     logger.info(
         "kvstore serving: socket %s, gRPC %s, transport %s, metrics %s",
         socket_path,
@@ -168,6 +192,10 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         transport_address or "off",
         metrics_port,
     )
+    surfaces = posture(
+        config, socket_path, Path(slab_path), state["grpc_address"], bool(server_config.auth_token), metrics_port, transport_address
+    )
+    log_posture(surfaces)
     interval = server_config.gc_full_interval_s
     gc_policy = GcPolicy(max(0.0, interval), metrics.gc_pause, freeze=interval >= 0)
     gc_policy.install()

@@ -13,7 +13,8 @@
     │   └── TransportUnavailable the configured peer transport cannot be used (ucxx missing)
     ├── CorruptBlock           stored bytes failed verification; callers treat it as a miss
     ├── ReservationExpired     a writer committed after its reservation timed out
-    └── TransferFailed         a peer transfer broke off (peer gone, deadline, bad frame)
+    ├── TransferFailed         a peer transfer broke off (peer gone, deadline, bad frame)
+    └── PermissionDenied       the other end did not prove who it is, or may not ask that
 
 Which class is raised says whose fault it is: a failed NVMe read is the NVMe tier's
 (``TierUnavailable`` with ``tier`` NVMe), never the tier it was being read into; a daemon
@@ -46,6 +47,7 @@ __all__ = [
     "CorruptBlock",
     "ReservationExpired",
     "TransferFailed",
+    "PermissionDenied",
     "raise_error",
 ]
 
@@ -111,6 +113,11 @@ class ReservationExpired(KVStoreError):
 class TransferFailed(KVStoreError):
     """A block transfer with a peer daemon broke off: the peer went away, the deadline
     passed, or a frame failed verification. What arrived intact before stays usable."""
+
+
+class PermissionDenied(KVStoreError):
+    """A peer did not authenticate (no credential, a wrong one, a certificate from another
+    CA), or asked for what its role does not allow; nothing was sent to it or taken from it."""
 
 
 def raise_error(kind: str, sentence: str) -> None:

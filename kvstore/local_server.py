@@ -70,6 +70,17 @@ class LocalServer:
         self._connections: set[LocalServerProtocol] = set()
         self._all_closed = asyncio.Event()
 
+    @property
+    def reader_credentials(self) -> dict | None:
+        """What an engine authenticates to peers with when it reads their blocks itself: a
+        reader key (it may fetch, nothing else; never the fleet key) and the TLS files. Only
+        processes that may connect to this socket (the daemon's user, or its group) get it."""
+        if self.transfers is None or not self.transfers.auth.required:
+            return None
+        config = self.transfers.config
+        reader = self.transfers.auth.for_reader()
+        return {"key": reader.key, "tls": [config.tls_cert, config.tls_key, config.tls_ca] if config.uses_tls else None}
+
     def protocol(self) -> LocalServerProtocol:
         return LocalServerProtocol(self)
 
@@ -120,6 +131,22 @@ class LocalServer:
         if self.transfers is not None:
             self.transfers.close_session(session)
         self.node.close_session(session, owner_gone=True)
+
+    def renew_slab(self, connection: LocalServerProtocol, session: int) -> None:
+        """Before an engine is handed the slab's path: when the file there is no longer the
+        daemon's (removed or replaced), have it recreated and cut every other connection,
+        whose engines map the old file; they reconnect and map the new one."""
+        if self.node.check_host_slab() is None:
+            return
+        ended = self.node.renew_host_slab(session)
+        for other in list(self._connections):
+            if other is not connection:
+                other.abort()
+        if self.transfers is not None:
+            for ended_session in ended:
+                self.transfers.close_session(ended_session)
+            # staged in the old file: a consumer that maps the new one would read other bytes
+            self.transfers.handoffs.fail_all_incoming("the host tier's file was recreated while it arrived")
 
     def joined(self, connection: LocalServerProtocol) -> None:
         self._connections.add(connection)
@@ -310,7 +337,8 @@ class LocalServerProtocol(asyncio.Protocol):
     def _hello(self, version: int) -> list:
         if version != PROTOCOL_VERSION:
             raise InvalidArgument(f"client speaks protocol {version}, this daemon {PROTOCOL_VERSION}; upgrade one of them.")
-        return [self._server.slab_path, self._node.node_id, PROTOCOL_VERSION, self._server.verify_loads]
+        self._server.renew_slab(self, self._session)
+        return [self._server.slab_path, self._node.node_id, PROTOCOL_VERSION, self._server.verify_loads, self._server.reader_credentials]
 
     def _register(self, fields: list) -> list:
         namespace: Namespace = localproto.namespace_from_wire(fields)
@@ -353,8 +381,8 @@ class LocalServerProtocol(asyncio.Protocol):
     async def _fetch(self, digest: bytes, hashes: list, deadline_s: float, source: str | None = None) -> int:
         return await self._service().fetch_missing(digest, hashes, deadline_s, source)
 
-    async def _locate(self, digest: bytes, hashes: list, have: int, source: str | None = None) -> list:
-        return list(await self._service().locate(digest, hashes, have, source))
+    async def _locate(self, digest: bytes, hashes: list, have: int, source: str | None = None, deadline_s: float | None = None) -> list:
+        return list(await self._service().locate(digest, hashes, have, source, deadline_s))
 
     def _fetched(self, num_blocks: int, num_bytes: int, num_dropped: int) -> None:
         self._node.metrics.transferred("in", "fetch", num_blocks, num_bytes)

@@ -27,6 +27,13 @@ anything malformed is a shorter hit, logged, never an exception. The deadline co
 connecting and receiving. Nothing writes into the destinations after ``read`` returns: the
 receive is this thread's own, not posted to a transport that outlives the call.
 
+**Never unauthenticated.** Where the fleet authenticates its peers, a new connection runs
+the same handshake a daemon's does (transport/auth.py) before its first request, as a
+``reader``: the daemon hands its engines a reader key derived from the fleet secret, which
+lets them fetch and nothing else, and the TLS files it uses (`configure`, from the local
+daemon's HELLO). Without TLS, every frame's MAC is checked with the checksum; an engine
+that cannot load the TLS files does not read directly (the daemon fetches for it).
+
 Connections: one that ended its conversation cleanly is kept for the next read from that
 peer (up to ``max_idle_per_peer``), checked for a hang-up before it is used again; any
 other is closed, since bytes still in flight would be read as the next conversation's.
@@ -41,15 +48,17 @@ import itertools
 import logging
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, TransferFailed, raise_error
+from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, PermissionDenied, TransferFailed, raise_error
 from kvstore.hashing import BlockHash
 from kvstore.localproto import pack_hashes
+from kvstore.transport.auth import HANDSHAKE_BYTES, ClientHandshake, PeerAuth, Seal, tls_context
 from kvstore.transport.base import split_address
 from kvstore.transport.wire import HEADER_BYTES, FrameHeader, FrameKind, control_header, decode_control, encode_control
 
@@ -69,6 +78,12 @@ def reads_directly(address: str) -> bool:
     return address.startswith(f"{SCHEME}://")
 
 
+@dataclass(slots=True)
+class _Connection:
+    sock: socket.socket  # an SSL socket where the fleet uses TLS
+    seal: Seal | None  # the MAC and counters of a channel authenticated by a secret alone
+
+
 @dataclass(frozen=True, slots=True)
 class DirectRead:
     num_blocks: int  # the verified prefix, in chain order from the first block asked for
@@ -77,12 +92,40 @@ class DirectRead:
 
 
 class PeerReader:
-    def __init__(self, max_idle_per_peer: int = 2) -> None:
+    def __init__(self, max_idle_per_peer: int = 2, handshake_timeout_s: float = 3.0) -> None:
         self.max_idle_per_peer = max_idle_per_peer
-        self._idle: dict[str, list[socket.socket]] = {}
+        self.handshake_timeout_s = handshake_timeout_s
+        self.auth = PeerAuth(role="reader")
+        self.unusable = ""  # why this engine cannot read peers itself ("": it can)
+        self._idle: dict[str, list[_Connection]] = {}
         self._lock = threading.Lock()
         self._transfer_ids = itertools.count(1)
         self._closed = False
+
+    def configure(self, credentials: dict | None) -> None:
+        """Take the reader credentials the local daemon handed over at HELLO: ``{"key":
+        reader key or None, "tls": [cert, key, ca] or None}``; None: peers authenticate
+        nothing. Connections made under other credentials are closed."""
+        key, tls = (credentials or {}).get("key"), (credentials or {}).get("tls")
+        client_tls, self.unusable = None, ""
+        if tls:
+            try:
+                client_tls = tls_context(*tls, server_side=False)
+            except KVStoreError as exc:
+                self.unusable = f"this engine cannot load the fleet's TLS files ({exc}); its local daemon fetches for it"
+                logger.warning("direct reads from peers are off: %s", self.unusable)
+        auth = PeerAuth(key if isinstance(key, bytes) and key else None, None, client_tls, "reader")
+        if auth != self.auth:
+            self.auth = auth
+            with self._lock:
+                idle, self._idle = self._idle, {}
+            for connections in idle.values():
+                for connection in connections:
+                    connection.sock.close()
+
+    def reads(self, address: str) -> bool:
+        """Whether this engine reads from the peer at ``address`` itself."""
+        return reads_directly(address) and not self.unusable
 
     def read(
         self, address: str, digest: bytes, hashes: Sequence[BlockHash], destinations: Sequence[memoryview], deadline_s: float
@@ -96,44 +139,44 @@ class PeerReader:
             return DirectRead(0, 0, 0)
         deadline = time.monotonic() + deadline_s
         try:
-            sock = self._checkout(address, deadline)
+            connection = self._checkout(address, deadline)
         except KVStoreError as exc:
             logger.info("direct read from %s: %s", address, exc)
             return DirectRead(0, 0, 0)
         with self._lock:
             transfer_id = next(self._transfer_ids)
-        fetch = _Fetch(_Stream(sock, address, deadline), transfer_id, digest, hashes, destinations)
+        fetch = _Fetch(_Stream(connection, address, deadline), transfer_id, digest, hashes, destinations)
         try:
             fetch.run()
         except (KVStoreError, OSError) as exc:
-            sock.close()
+            connection.sock.close()
             if isinstance(exc, OSError):
                 exc = TransferFailed(f"the connection to {address} broke: {exc.strerror or exc}.")
             logger.info("direct read from %s: %d of %d blocks verified, then: %s", address, fetch.num_verified, len(hashes), exc)
         except BaseException:
-            sock.close()
+            connection.sock.close()
             raise
         else:
-            self._checkin(address, sock)
+            self._checkin(address, connection)
         return DirectRead(fetch.num_verified, fetch.num_bytes, fetch.num_dropped)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, {}
-        for sockets in idle.values():
-            for sock in sockets:
-                sock.close()
+        for connections in idle.values():
+            for connection in connections:
+                connection.sock.close()
 
     # -- connections ------------------------------------------------------------------------
-    def _checkout(self, address: str, deadline: float) -> socket.socket:
+    def _checkout(self, address: str, deadline: float) -> _Connection:
         with self._lock:
             idle = self._idle.get(address, [])
             while idle:
-                sock = idle.pop()
-                if _still_open(sock):
-                    return sock
-                sock.close()  # the peer hung up meanwhile (restarted, or closed idle channels)
+                connection = idle.pop()
+                if _still_open(connection.sock):
+                    return connection
+                connection.sock.close()  # the peer hung up meanwhile (restarted, or closed idle channels)
         host, port = split_address(address, SCHEME)
         try:
             sock = socket.create_connection((host, port), timeout=max(1e-3, deadline - time.monotonic()))
@@ -141,25 +184,52 @@ class PeerReader:
             raise TransferFailed(f"cannot connect to {address}: {getattr(exc, 'strerror', None) or exc}.") from exc
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+        try:
+            return self._authenticate(sock, address, host, min(deadline, time.monotonic() + self.handshake_timeout_s))
+        except BaseException:
+            sock.close()
+            raise
 
-    def _checkin(self, address: str, sock: socket.socket) -> None:
+    def _authenticate(self, sock: socket.socket, address: str, host: str, deadline: float) -> _Connection:
+        """TLS where the fleet has it, then the handshake as a reader (transport/auth.py)."""
+        auth = self.auth
+        if auth.client_tls is not None:
+            sock = auth.client_tls.wrap_socket(sock, do_handshake_on_connect=False, server_hostname=host)
+        connection = _Connection(sock, None)
+        stream = _Stream(connection, address, deadline)
+        if auth.client_tls is not None:
+            stream.tls_handshake()
+        handshake = ClientHandshake(auth, auth.client_tls is not None)
+        stream.send_message(FrameKind.AUTH, 0, encode_control(handshake.hello()))
+        header = stream.header()
+        if header.length > HANDSHAKE_BYTES or header.kind not in (FrameKind.AUTH, FrameKind.ERROR):
+            raise TransferFailed(f"the peer {address} did not answer the handshake.")
+        reply = decode_control(header, stream.payload(header.length))
+        if header.kind is FrameKind.ERROR:
+            raise PermissionDenied(f"the peer {address} refused this engine: {reply!r:.200}")
+        proof, established = handshake.finish(reply)
+        if auth.key is not None:
+            stream.send_message(FrameKind.AUTH, 0, encode_control(proof))
+        connection.seal = established.seal
+        return connection
+
+    def _checkin(self, address: str, connection: _Connection) -> None:
         with self._lock:
             idle = self._idle.setdefault(address, [])
             if not self._closed and len(idle) < self.max_idle_per_peer:
-                idle.append(sock)
+                idle.append(connection)
                 return
-        sock.close()
+        connection.sock.close()
 
 
 def _still_open(sock: socket.socket) -> bool:
-    """An idle connection has nothing to read: a hang-up (b"") or stray bytes retire it."""
-    try:
-        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return True
-    except OSError:
+    """An idle connection has nothing to read: a hang-up or stray bytes (under TLS, any
+    record the peer sent meanwhile) retire it."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
         return False
+    poll = select.poll()
+    poll.register(sock, select.POLLIN)
+    return not poll.poll(0)
 
 
 class _Fetch:
@@ -174,7 +244,7 @@ class _Fetch:
 
     def run(self) -> None:
         payload = encode_control({"op": "fetch", "namespace": self.digest, "hashes": pack_hashes(list(self.hashes))})
-        self.stream.send(control_header(FrameKind.CONTROL, self.transfer_id, payload).pack(), payload)
+        self.stream.send_message(FrameKind.CONTROL, self.transfer_id, payload)
         reply = self._message(FrameKind.CONTROL)
         count = reply.get("count") if isinstance(reply, dict) else None
         if type(count) is not int or not 0 <= count <= len(self.hashes):
@@ -184,7 +254,7 @@ class _Fetch:
             into = self.destinations[sequence]
             self.stream.recv_into(into)
             try:
-                header.verify(into)
+                self.stream.verify(header, into)
             except CorruptBlock:
                 self.num_dropped += 1
                 raise
@@ -221,32 +291,59 @@ class _Fetch:
             raise TransferFailed(
                 f"expected a {kind.name} frame of transfer {self.transfer_id} from {self.stream.peer}, got {header.kind.name}."
             )
-        return decode_control(header, self.stream.payload(header.length))
+        return decode_control(header, self.stream.verified_payload(header))
 
     def _raise_refusal(self, header: FrameHeader) -> None:
-        refusal = decode_control(header, self.stream.payload(header.length))
+        refusal = decode_control(header, self.stream.verified_payload(header))
         if not (isinstance(refusal, list) and len(refusal) == 2 and all(isinstance(part, str) for part in refusal)):
             raise TransferFailed(f"the peer {self.stream.peer} refused with a malformed error.")
         raise_error(refusal[0], f"the peer {self.stream.peer} refused: {refusal[1]}")
 
 
 class _Stream:
-    """A non-blocking socket read and written in full, each wait bounded by one deadline."""
+    """A non-blocking socket (plain or TLS) read and written in full, each wait bounded by
+    one deadline; on a sealed connection, frames are signed and checked as a channel's are."""
 
-    def __init__(self, sock: socket.socket, peer: str, deadline: float) -> None:
-        self.sock, self.peer, self.deadline = sock, peer, deadline
+    def __init__(self, connection: _Connection, peer: str, deadline: float) -> None:
+        self.connection, self.sock, self.peer, self.deadline = connection, connection.sock, peer, deadline
+        self.tls = isinstance(self.sock, ssl.SSLSocket)
         self._poll = select.poll()  # not select(): an engine may hold descriptors past 1024
         self._wake_bytes = 1  # the socket's SO_RCVLOWAT
         self._header = bytearray(HEADER_BYTES)
 
+    def tls_handshake(self) -> None:
+        while True:
+            try:
+                self.sock.do_handshake()
+                return
+            except ssl.SSLWantReadError:
+                self._wait(select.POLLIN)
+            except ssl.SSLWantWriteError:
+                self._wait(select.POLLOUT)
+            except ssl.SSLError as exc:
+                raise TransferFailed(f"the TLS handshake with {self.peer} failed: {exc.reason or exc}.") from exc
+
+    def send_message(self, kind: FrameKind, transfer_id: int, payload: bytes) -> None:
+        header = control_header(kind, transfer_id, payload)
+        if self.connection.seal is not None:
+            header = self.connection.seal.sign(header, payload)
+        self.send(header.pack(), payload)
+
     def send(self, *parts: bytes) -> None:
+        if self.tls:  # an SSL socket does not gather
+            parts = (b"".join(parts),)
         views = [memoryview(part) for part in parts]
         while views:
             try:
-                sent = self.sock.sendmsg(views)
-            except (BlockingIOError, InterruptedError):
+                sent = self.sock.send(views[0]) if self.tls else self.sock.sendmsg(views)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
                 self._wait(select.POLLOUT)
                 continue
+            except ssl.SSLWantReadError:
+                self._wait(select.POLLIN)
+                continue
+            except ssl.SSLError as exc:
+                raise TransferFailed(f"the TLS connection to {self.peer} failed: {exc.reason or exc}.") from exc
             while sent and views:
                 if sent >= len(views[0]):
                     sent -= len(views.pop(0))
@@ -255,7 +352,20 @@ class _Stream:
 
     def header(self) -> FrameHeader:
         self.recv_into(memoryview(self._header))
-        return FrameHeader.unpack(self._header)
+        header = FrameHeader.unpack(self._header)
+        if self.connection.seal is not None:
+            self.connection.seal.check_order(header)
+        return header
+
+    def verify(self, header: FrameHeader, payload: memoryview | bytes) -> None:
+        header.verify(payload)
+        if self.connection.seal is not None:
+            self.connection.seal.verify(header, payload)
+
+    def verified_payload(self, header: FrameHeader) -> bytes:
+        payload = self.payload(header.length)
+        self.verify(header, payload)
+        return payload
 
     def payload(self, length: int) -> bytes:
         data = bytearray(length)
@@ -268,14 +378,21 @@ class _Stream:
         got = 0
         while got < len(view):
             try:
-                count = self.sock.recv_into(view[got:], 0, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
+                count = self.sock.recv_into(view[got:]) if self.tls else self.sock.recv_into(view[got:], 0, socket.MSG_DONTWAIT)
+            except ssl.SSLWantWriteError:
+                self._wait(select.POLLOUT)
+                continue
+            except ssl.SSLZeroReturnError:
+                count = 0
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
                 wake_bytes = min(len(view) - got, WAKE_BYTES)
                 if wake_bytes != self._wake_bytes:
                     self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, wake_bytes)
                     self._wake_bytes = wake_bytes
                 self._wait(select.POLLIN)
                 continue
+            except ssl.SSLError as exc:
+                raise TransferFailed(f"the TLS connection to {self.peer} failed: {exc.reason or exc}.") from exc
             if not count:
                 raise TransferFailed(f"the peer {self.peer} closed the connection {got} bytes into a {len(view)}-byte read.")
             got += count

@@ -2,4 +2,4 @@
 
 API_VERSION = "kvstore.v1"
 # the engine <-> daemon protocol on the local socket (kvstore/localproto.py)
-LOCAL_PROTOCOL_VERSION = 4
+LOCAL_PROTOCOL_VERSION = 5

@@ -20,6 +20,7 @@ from daemon_harness import eventually as _eventually
 
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
+from kvstore.transport.wire import HEADER_BYTES, encode_control
 
 HERE = Path(__file__).parent
 PEER_ENGINE = HERE / "peer_engine.py"
@@ -187,9 +188,10 @@ class FlippingProxy:
 def test_a_block_corrupted_on_the_wire_is_dropped_and_only_the_verified_prefix_is_stored(fleet):
     a, b = fleet("a"), fleet("b")
     assert engine(a, "save", 4, 8, script=ENGINE)[0]["stored"] == 8
-    block_frame = 72 + 32 * 1024
-    reply = 72 + 40  # the fetch reply's header and msgpack payload, roughly
-    proxy = FlippingProxy(a.transport_address, reply + 5 * block_frame + 72 + 100)  # inside block #5's bytes
+    handshake = HEADER_BYTES + len(encode_control({"nonce": bytes(32)}))  # the daemon's answer to the reader's hello
+    block_frame = HEADER_BYTES + 32 * 1024
+    reply = HEADER_BYTES + 40  # the fetch reply's header and msgpack payload, roughly
+    proxy = FlippingProxy(a.transport_address, handshake + reply + 5 * block_frame + HEADER_BYTES + 100)  # inside block #5's bytes
     fetched = engine(b, "fetch", 4, 8, proxy.address)[0]
     assert fetched["intact"] and fetched["loaded"] in (5, 6)  # never the damaged block, never past it
     assert metric(b, "kvstore_transfer_dropped_blocks_total") == 1
@@ -290,9 +292,14 @@ def test_netns_two_hosts_fetch_over_a_veth_pair(tmp_path):
     try:
         for command in setup:
             subprocess.run(command, check=True, capture_output=True)
+        # a peer port on a network address is refused without authentication: this fleet shares a secret
+        secret = tmp_path / "peer-secret"
+        secret.write_text(os.urandom(32).hex())
+        secret.chmod(0o600)
+        fleet = {"transport.peer_secret_file": str(secret)}
         with daemons(tmp_path) as start:
-            a = start(node_id="host-a", prefix=("ip", "netns", "exec", ns_a), extra={"transport.host": "10.231.0.1"})
-            b = start(node_id="host-b", prefix=("ip", "netns", "exec", ns_b), extra={"transport.host": "10.231.0.2"})
+            a = start(node_id="host-a", prefix=("ip", "netns", "exec", ns_a), extra={"transport.host": "10.231.0.1", **fleet})
+            b = start(node_id="host-b", prefix=("ip", "netns", "exec", ns_b), extra={"transport.host": "10.231.0.2", **fleet})
             assert a.transport_address.startswith("tcp://10.231.0.1:")
             run_in = lambda ns, daemon, *args, script=PEER_ENGINE: subprocess.run(  # noqa: E731
                 ["ip", "netns", "exec", ns, sys.executable, str(script), str(daemon.socket), *map(str, args)],

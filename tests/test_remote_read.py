@@ -18,6 +18,7 @@ import pytest
 import torch
 from blocks import chain_of, content_of
 from daemon_harness import daemons
+from peer_frames import recv_exactly
 
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
@@ -27,6 +28,7 @@ from kvstore.layout import KVLayout
 from kvstore.localproto import unpack_hashes
 from kvstore.namespace import Namespace
 from kvstore.remote_read import PeerReader
+from kvstore.transport.auth import PeerAuth, ServerHandshake
 from kvstore.transport.wire import HEADER_BYTES, FrameHeader, FrameKind, block_header, control_header, decode_control, encode_control
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=16, dtype="float16")  # 8 KiB blocks
@@ -108,9 +110,15 @@ class ScriptedPeer:
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
+                # the handshake, as a daemon with no credentials answers it
+                hello = FrameHeader.unpack(recv_exactly(conn, HEADER_BYTES))
+                reply = encode_control(
+                    ServerHandshake(PeerAuth(), tls=False).reply(decode_control(hello, recv_exactly(conn, hello.length)))
+                )
+                conn.sendall(control_header(FrameKind.AUTH, 0, reply).pack() + reply)
                 while True:
-                    header = FrameHeader.unpack(_exactly(conn, HEADER_BYTES))
-                    conversation = Conversation(conn, header, decode_control(header, _exactly(conn, header.length)))
+                    header = FrameHeader.unpack(recv_exactly(conn, HEADER_BYTES))
+                    conversation = Conversation(conn, header, decode_control(header, recv_exactly(conn, header.length)))
                     if self.script(conversation) is False:
                         return
             except (ConnectionError, OSError):
@@ -118,16 +126,6 @@ class ScriptedPeer:
 
     def close(self) -> None:
         self.server.close()
-
-
-def _exactly(conn: socket.socket, count: int) -> bytes:
-    data = bytearray()
-    while len(data) < count:
-        chunk = conn.recv(count - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return bytes(data)
 
 
 @pytest.fixture

@@ -89,6 +89,12 @@ def test_health_and_metrics_need_no_key(keyed):
     assert httpx.get(f"{keyed.url}/metrics", timeout=10).status_code == 200
 
 
+def test_the_router_prints_its_security_posture(keyed):
+    log = keyed.log.read_text()
+    assert re.search(r"security posture: router API .*an API key is required", log), log[-2000:]
+    assert "security posture: router metrics" in log and "[OPEN]" not in log
+
+
 def test_the_tenant_is_the_keys_and_its_salt_the_routers(keyed, replica):
     a_before, b_before = tenant_tokens(keyed, "team-a"), tenant_tokens(keyed, "team-b")
     answers = [

@@ -19,7 +19,10 @@ import torch
 # before ucxx is first imported: keep UCX's network transports on loopback
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
+from peer_wire import open_raw
+
 from kvstore.errors import CorruptBlock, InvalidArgument, TransferFailed, TransportUnavailable  # noqa: E402
+from kvstore.transport.auth import ClientHandshake, PeerAuth
 from kvstore.transport.config import TransportConfig  # noqa: E402
 from kvstore.transport.factory import open_transport  # noqa: E402
 from kvstore.transport.peer import Landing  # noqa: E402
@@ -319,8 +322,14 @@ def test_a_host_name_that_cannot_be_resolved_is_a_transfer_failure(host):
 
 
 # -- corruption ------------------------------------------------------------------------
+# what a client with no credentials sends before its first frame: the handshake's hello
+HELLO_BYTES = HEADER_BYTES + len(encode_control(ClientHandshake(PeerAuth(), tls=False).hello()))
+
+
 async def start_flipping_proxy(target_port: int, flip_at: int):
-    """A TCP proxy that forwards both ways and inverts the client's byte number ``flip_at``."""
+    """A TCP proxy that forwards both ways and inverts the client's byte number ``flip_at``
+    after its handshake."""
+    flip_at += HELLO_BYTES
 
     async def pump(reader, writer, flip: bool):
         seen = 0
@@ -493,7 +502,7 @@ def test_tcp_peer_gone_in_the_middle_of_a_payload_is_a_transfer_failure():
             await asyncio.Event().wait()
 
         address = await transport.listen("127.0.0.1", 0, on_channel)
-        raw = socket.create_connection(("127.0.0.1", int(address.rpartition(":")[2])))
+        raw, _ = await asyncio.to_thread(open_raw, address)
         header, _ = block_frame(0, payload)
         raw.sendall(header.pack() + payload[: len(payload) // 2])
         channel = await accepted.get()

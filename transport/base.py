@@ -11,12 +11,20 @@
                                     (both return when the payload buffers may be reused:
                                     over UCX, once the peer received them, so a large
                                     send waits for the peer to post its receive)
+      secure()                      the TLS handshake, where the channel has TLS
       recv_header()                 the next message's header, already checked
       recv_payload(into)            its payload, received straight into ``into``
       start_payload(into)           the same, returning once the receive is posted: an
                                     awaitable that resolves when the payload has landed
                                     (UCX posts many before any lands; TCP lands it at once)
+      verify(header, payload)       its payload checked against the header (and the seal)
       close()
+
+A channel's ``seal`` (transport/auth.py), set once its handshake authenticated the other
+end without TLS, signs every frame sent and checks every frame received: ``verify`` is
+where a received payload's checksum and MAC are both checked, before anything counts it.
+``role`` is what the other end authenticated as (an accepted channel's: "daemon" may ask
+for everything, "reader" only to fetch).
 
 A message is a `FrameHeader` (transport/wire.py) followed by its payload. The split
 between ``recv_header`` and ``recv_payload`` is what lets a receiver read the key, find
@@ -35,9 +43,14 @@ import abc
 import asyncio
 import itertools
 from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING
 
 from kvstore.errors import CorruptBlock, InvalidArgument, TransferFailed
+from kvstore.transport.auth import PeerAuth
 from kvstore.transport.wire import HEADER_BYTES, FrameHeader
+
+if TYPE_CHECKING:
+    from kvstore.transport.auth import Seal
 
 __all__ = ["LANDED", "Buffer", "Channel", "Transport", "ChannelHandler", "MemoryTransport", "split_address"]
 
@@ -46,6 +59,23 @@ Buffer = bytes | bytearray | memoryview
 
 class Channel(abc.ABC):
     peer: str = ""  # the remote address, for messages and logs
+    seal: Seal | None = None  # set by the handshake where frames carry a MAC
+    role: str = "daemon"  # what the other end authenticated as (set by the accepting side's handshake)
+
+    async def secure(self) -> None:  # noqa: B027 (only a TLS channel has anything to do)
+        """Complete the channel's TLS handshake, where it has TLS (before any frame)."""
+
+    @property
+    def encrypted(self) -> bool:
+        """Whether TLS protects this channel (its frames then carry no MAC)."""
+        return False
+
+    def verify(self, header: FrameHeader, payload: Buffer) -> None:
+        """CorruptBlock unless ``payload`` is what ``header`` announced: its length, the
+        checksum and, on a sealed channel, the MAC (bytes changed or forged on the way)."""
+        header.verify(payload)
+        if self.seal is not None:
+            self.seal.verify(header, payload)
 
     @abc.abstractmethod
     async def send(self, header: FrameHeader, payload: Buffer = b"") -> None: ...
@@ -76,10 +106,11 @@ class Channel(abc.ABC):
         return LANDED
 
     async def recv_bytes(self, header: FrameHeader) -> bytes:
-        """The payload of a small message (control, error) as bytes."""
+        """The payload of a small message (control, error) as bytes, verified."""
         buffer = bytearray(header.length)
         if header.length:
             await self.recv_payload(memoryview(buffer))
+        self.verify(header, buffer)
         return bytes(buffer)
 
     async def discard_payload(self, header: FrameHeader) -> None:
@@ -124,6 +155,7 @@ LANDED = _Landed()  # what start_payload returns for a payload already received
 
 class Transport(abc.ABC):
     scheme: str = ""
+    auth: PeerAuth = PeerAuth()  # how this node and its peers authenticate (none: an in-process transport)
 
     @abc.abstractmethod
     async def listen(self, host: str, port: int, on_channel: ChannelHandler) -> str:

@@ -146,7 +146,7 @@ class Landing:
                 landing.result()
                 ok = True
                 try:
-                    header.verify(into)
+                    self.channel.verify(header, into)
                 except CorruptBlock as exc:
                     logger.warning("dropped a block from %s: %s", self.channel.peer, exc)
                     ok = False

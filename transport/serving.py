@@ -6,6 +6,10 @@ A transport owns every channel it opened or accepted, so that ``Transport.close`
 them all (a channel leaves the registry when it closes: its ``close`` calls ``forget``);
 an accepted channel is served by the listener's handler in a task of its own
 and closed when that handler returns (the handler owns the channel for its lifetime).
+The handler sees a channel only once its handshake authenticated the other end
+(transport/auth.py); before that, the registry refuses a channel over
+``transport.max_peer_channels`` (or over ``max_peer_channels_per_source`` from one host)
+at once, and closes one whose handshake has not finished within ``handshake_timeout_s``.
 All of it runs on the event loop's thread: the registry has no lock.
 """
 
@@ -16,7 +20,9 @@ import logging
 from collections.abc import Callable
 
 from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, TransferFailed
+from kvstore.transport.auth import PeerAuth, RefusalLog, authenticate_client, authenticate_server, source_of
 from kvstore.transport.base import Buffer, Channel, ChannelHandler
+from kvstore.transport.config import TransportConfig
 from kvstore.transport.wire import FrameHeader
 
 __all__ = ["ChannelRegistry", "FramedChannel", "address_of", "byte_view"]
@@ -60,6 +66,10 @@ class FramedChannel(Channel):
     def _break(self, reason: str) -> None:
         self._broken = self._broken or reason
 
+    def _signed(self, header: FrameHeader, payload: memoryview) -> FrameHeader:
+        """``header`` as it goes out: with its counter and MAC on a sealed channel."""
+        return header if self.seal is None else self.seal.sign(header, payload)
+
     def _outgoing_payload(self, header: FrameHeader, payload: Buffer) -> memoryview:
         view = byte_view(payload)
         if view.nbytes != header.length:
@@ -74,6 +84,8 @@ class FramedChannel(Channel):
     def _accept_header(self, raw: Buffer) -> FrameHeader:
         try:
             header = FrameHeader.unpack(raw)
+            if self.seal is not None:
+                self.seal.check_order(header)
         except CorruptBlock:
             self._break("a frame header failed its checks")
             raise
@@ -96,34 +108,64 @@ class FramedChannel(Channel):
 
 
 class ChannelRegistry:
-    """The live channels of one transport and the handler tasks serving accepted ones."""
+    """The live channels of one transport, and the handler tasks serving accepted ones once
+    they authenticated."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: TransportConfig, auth: PeerAuth) -> None:
+        self.config, self.auth = config, auth
+        self.refusals = RefusalLog(auth.on_refused)
         self._channels: set[Channel] = set()
         self._tasks: set[asyncio.Task] = set()
+        self._accepted: dict[str, int] = {}  # source host → accepted channels open
 
     def adopt(self, channel: Channel) -> Channel:
         self._channels.add(channel)
         return channel
 
+    async def connected(self, channel: Channel, timeout_s: float) -> Channel:
+        """Adopt a channel this transport opened, once its handshake authenticated the
+        peer (transport/auth.py); closed, and the refusal raised, if it did not."""
+        self.adopt(channel)
+        try:
+            await authenticate_client(channel, self.auth, timeout_s)
+        except BaseException:
+            await channel.close()
+            raise
+        return channel
+
     def forget(self, channel: Channel) -> None:
         self._channels.discard(channel)
 
-    def serve(self, channel: Channel, on_channel: ChannelHandler) -> None:
-        """Run ``on_channel(channel)`` in a task; close the channel when it returns."""
+    def serve(self, channel: Channel, on_channel: ChannelHandler, source: str = "") -> None:
+        """Authenticate ``channel`` and run ``on_channel(channel)`` in a task; close the
+        channel when it returns. ``source``: the host it came from, for the per-source limit."""
+        source = source or source_of(channel.peer)
+        total = sum(self._accepted.values())
+        if total >= self.config.max_peer_channels or self._accepted.get(source, 0) >= self.config.max_peer_channels_per_source:
+            which = "transport.max_peer_channels" if total >= self.config.max_peer_channels else "transport.max_peer_channels_per_source"
+            self.refusals.refused(channel.peer, "limit", f"{which} channels are open already")
+            asyncio.get_running_loop().create_task(channel.close())
+            return
+        self._accepted[source] = self._accepted.get(source, 0) + 1
         self.adopt(channel)
-        task = asyncio.get_running_loop().create_task(self._serve(channel, on_channel))
+        task = asyncio.get_running_loop().create_task(self._serve(channel, on_channel, source))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, channel: Channel, on_channel: ChannelHandler) -> None:
+    async def _serve(self, channel: Channel, on_channel: ChannelHandler, source: str) -> None:
         try:
-            await on_channel(channel)
+            established = await authenticate_server(channel, self.auth, self.config.handshake_timeout_s, self.refusals)
+            if established is not None:
+                channel.role = established.role
+                await on_channel(channel)
         except KVStoreError as exc:
             logger.info("the channel from %s ended: %s", channel.peer, exc)
         except Exception:
             logger.exception("the handler of the channel from %s failed", channel.peer)
         finally:
+            self._accepted[source] -= 1
+            if not self._accepted[source]:
+                del self._accepted[source]
             await channel.close()
 
     async def close(self) -> None:

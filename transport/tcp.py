@@ -11,6 +11,12 @@ than ``loop.sock_recv_into``: closing a socket does not wake a task parked in th
 ``sock_*`` calls, and ``close`` must wake a blocked receiver. A channel whose stream may
 be out of step (a corrupt header, a receive or send cancelled halfway through a frame)
 is marked broken: every later call fails rather than read a payload as a header.
+
+With TLS (``transport.tls_cert``, ``tls_key``, ``tls_ca``) a channel's socket is wrapped in
+Python's ``ssl`` and the same frames go through it (`_TlsChannel`): a gathered write
+becomes one TLS write per large payload and one per run of small parts, a scattered read
+one per record, since TLS frames bytes in records of its own. Every channel, with TLS or
+not, authenticates before its first request (transport/auth.py).
 """
 
 from __future__ import annotations
@@ -19,9 +25,11 @@ import asyncio
 import logging
 import os
 import socket
+import ssl
 from collections.abc import Callable, Iterable
 
 from kvstore.errors import InvalidArgument, TransferFailed
+from kvstore.transport.auth import PeerAuth
 from kvstore.transport.base import Buffer, Channel, ChannelHandler, Transport, split_address
 from kvstore.transport.config import TransportConfig
 from kvstore.transport.serving import ChannelRegistry, FramedChannel, address_of
@@ -78,7 +86,7 @@ class _TcpChannel(FramedChannel):
             count = payload_bytes = 0
             for header, payload in frames:
                 payload_view = self._outgoing_payload(header, payload)
-                views.append(memoryview(header.pack()))
+                views.append(memoryview(self._signed(header, payload_view).pack()))
                 if header.length:
                     views.append(payload_view)
                 count, payload_bytes = count + 1, payload_bytes + header.length
@@ -196,6 +204,90 @@ class _TcpChannel(FramedChannel):
         self._sock.close()
 
 
+class _TlsChannel(_TcpChannel):
+    """A TCP channel through TLS: ``secure`` runs the TLS handshake, writes and reads go
+    through the SSL socket (which neither gathers nor scatters)."""
+
+    def __init__(self, sock: ssl.SSLSocket, peer: str, frames_per_write: int, forget: Callable[[Channel], None]) -> None:
+        super().__init__(sock, peer, frames_per_write, forget)
+
+    @property
+    def encrypted(self) -> bool:
+        return True
+
+    async def secure(self) -> None:
+        while True:
+            try:
+                self._sock.do_handshake()
+                return
+            except ssl.SSLWantReadError:
+                await self._ready(self._loop.add_reader, self._loop.remove_reader)
+            except ssl.SSLWantWriteError:
+                await self._ready(self._loop.add_writer, self._loop.remove_writer)
+            except (ssl.SSLError, OSError) as exc:
+                self._break("the TLS handshake failed")
+                raise TransferFailed(f"the TLS handshake with {self.peer} failed: {getattr(exc, 'reason', None) or exc}.") from exc
+
+    async def _write(self, views: list[memoryview]) -> None:
+        """Small parts (headers, control payloads) are joined into one TLS write; a large
+        payload goes as it is (the SSL socket cuts it into records)."""
+        self._check_usable()
+        pending: list[memoryview] = []
+        small = bytearray()
+        for view in views:
+            if view.nbytes < SMALL_WRITE_BYTES:
+                small += view
+                continue
+            if small:
+                pending.append(memoryview(bytes(small)))
+                small.clear()
+            pending.append(view)
+        if small:
+            pending.append(memoryview(bytes(small)))
+        progressed = False
+        try:
+            for view in pending:
+                sent = 0
+                while sent < view.nbytes:
+                    try:
+                        sent += self._sock.send(view[sent:])
+                        progressed = True
+                    except ssl.SSLWantWriteError:
+                        await self._ready(self._loop.add_writer, self._loop.remove_writer)
+                    except ssl.SSLWantReadError:
+                        await self._ready(self._loop.add_reader, self._loop.remove_reader)
+                    except (ssl.SSLError, OSError) as exc:
+                        raise self._failure(exc) from exc
+        except BaseException:
+            if progressed:
+                self._break("a send stopped in the middle of a frame")
+            raise
+
+    async def _receive(self, buffers: list[memoryview], wake_bytes: int) -> int:
+        """One read into the first buffer (decrypted bytes already held count first)."""
+        self._check_usable()
+        while True:
+            try:
+                return self._sock.recv_into(buffers[0])
+            except ssl.SSLWantReadError:
+                self._wake_at(wake_bytes)
+                await self._ready(self._loop.add_reader, self._loop.remove_reader)
+            except ssl.SSLWantWriteError:
+                await self._ready(self._loop.add_writer, self._loop.remove_writer)
+            except ssl.SSLZeroReturnError:
+                return 0
+            except (ssl.SSLError, OSError) as exc:
+                raise self._failure(exc) from exc
+
+    def _failure(self, exc: OSError) -> TransferFailed:
+        self._break("the connection broke")
+        return TransferFailed(f"the TLS connection to {self.peer} broke: {getattr(exc, 'reason', None) or exc.strerror or exc}.")
+
+
+# parts below this size are joined into one TLS write
+SMALL_WRITE_BYTES = 16 << 10
+
+
 def _wake(waiter: asyncio.Future) -> None:
     if not waiter.done():
         waiter.set_result(None)
@@ -206,9 +298,10 @@ class TcpTransport(Transport):
 
     scheme = "tcp"
 
-    def __init__(self, config: TransportConfig) -> None:
+    def __init__(self, config: TransportConfig, auth: PeerAuth | None = None) -> None:
         self._config = config
-        self._registry = ChannelRegistry()
+        self.auth = PeerAuth.from_config(config) if auth is None else auth
+        self._registry = ChannelRegistry(config, self.auth)
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
 
@@ -242,8 +335,16 @@ class TcpTransport(Transport):
                 await asyncio.sleep(0.05)
                 continue
             tune(conn)
-            channel = _TcpChannel(conn, address_of(self.scheme, remote[0], remote[1]), self._config.window_blocks, self._registry.forget)
-            self._registry.serve(channel, on_channel)
+            peer = address_of(self.scheme, remote[0], remote[1])
+            channel = self._channel(conn, peer, server_side=True)
+            self._registry.serve(channel, on_channel, remote[0])
+
+    def _channel(self, sock: socket.socket, peer: str, server_side: bool, server_hostname: str | None = None) -> _TcpChannel:
+        context = self.auth.server_tls if server_side else self.auth.client_tls
+        if context is None:
+            return _TcpChannel(sock, peer, self._config.window_blocks, self._registry.forget)
+        wrapped = context.wrap_socket(sock, server_side=server_side, do_handshake_on_connect=False, server_hostname=server_hostname)
+        return _TlsChannel(wrapped, peer, self._config.window_blocks, self._registry.forget)
 
     async def connect(self, address: str, timeout_s: float = 5.0) -> Channel:
         host, port = split_address(address, self.scheme)
@@ -266,7 +367,7 @@ class TcpTransport(Transport):
         except BaseException:
             sock.close()
             raise
-        return self._registry.adopt(_TcpChannel(sock, address, self._config.window_blocks, self._registry.forget))
+        return await self._registry.connected(self._channel(sock, address, server_side=False, server_hostname=host), timeout_s)
 
     async def close(self) -> None:
         if self._accepting is not None:

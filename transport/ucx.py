@@ -5,7 +5,7 @@ Frames travel in batches, each as tagged UCX messages on the endpoint's tag, mat
 order:
 
     batch message     a 12-byte prefix (b"KVSB", entry count, byte count), then for each
-                      frame its 72-byte header, followed by the payload itself when it is
+                      frame its 96-byte header, followed by the payload itself when it is
                       at most INLINE_BYTES (control frames, small blocks)
     payload messages  one per larger payload, in the batch's order: UCX rendezvous moves
                       each from the sender's buffer into the buffer the receiver posted,
@@ -46,6 +46,7 @@ from typing import Any
 
 from kvstore.errors import CorruptBlock, InvalidArgument, TransferFailed, TransportUnavailable
 from kvstore.transport import ucx_progress
+from kvstore.transport.auth import PeerAuth
 from kvstore.transport.base import LANDED, Buffer, Channel, ChannelHandler, Transport, split_address
 from kvstore.transport.config import TransportConfig
 from kvstore.transport.serving import ChannelRegistry, FramedChannel, address_of
@@ -175,7 +176,7 @@ class _UcxChannel(FramedChannel):
             if count and nbytes + size > BATCH_BYTES:
                 self._carried = item  # opens the next batch
                 break
-            parts.append(header.pack())
+            parts.append(self._signed(header, view).pack())
             (parts if inline else payloads).append(view)
             count, nbytes, payload_bytes = count + 1, nbytes + size, payload_bytes + view.nbytes
         if not count:
@@ -397,12 +398,13 @@ class UcxTransport(Transport):
     scheme = "ucx"
     _open = 0  # UCX transports of this process not yet closed
 
-    def __init__(self, config: TransportConfig) -> None:
+    def __init__(self, config: TransportConfig, auth: PeerAuth | None = None) -> None:
         self._config = config
+        self.auth = PeerAuth.from_config(config) if auth is None else auth
         self._ucxx = import_ucxx(config)
         self._closed = False
         UcxTransport._open += 1
-        self._registry = ChannelRegistry()
+        self._registry = ChannelRegistry(config, self.auth)
         self._listener: Any = None
         self._accepted = itertools.count(1)
 
@@ -431,7 +433,8 @@ class UcxTransport(Transport):
             raise TransferFailed(f"connecting to {address} timed out after {timeout_s:g} s.") from exc
         except self._ucxx.exceptions.UCXError as exc:
             raise TransferFailed(f"cannot connect to {address}: {exc}.") from exc
-        return self._registry.adopt(_UcxChannel(self._ucxx, endpoint, address, self._config.window_blocks, self._registry.forget))
+        channel = _UcxChannel(self._ucxx, endpoint, address, self._config.window_blocks, self._registry.forget)
+        return await self._registry.connected(channel, timeout_s)
 
     async def close(self) -> None:
         if self._listener is not None:

@@ -26,4 +26,22 @@ def run_router(config: RouterConfig, load: Callable[[], RouterConfig] | None = N
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     logging.getLogger("kvstore").addHandler(handler)
     logging.getLogger("kvstore").setLevel(logging.INFO)
+    for line in posture_lines(config):
+        logging.getLogger("kvstore.gateway").info("%s", line)
     uvicorn.run(build_app(config, load), host=config.host, port=config.port, log_level="warning", lifespan="on", access_log=False)
+
+
+def posture_lines(config: RouterConfig) -> list[str]:
+    """The router's security posture, a line per surface: who may send requests, whose
+    tenant a request is, and what /metrics shows."""
+    where = f"http://{config.host}:{config.port}"
+    if config.api_keys:
+        clients = f"an API key is required ({len(config.api_keys.digests)} keys); a request's tenant is its key's"
+        salted = "cache_salt is the tenant's (tenants never share KV)" if config.salt_from_tenant else "cache_salt as the client sent it"
+        clients += f"; {salted}"
+    else:
+        clients = f"NO API keys: every client that reaches it is served and names its own tenant ({config.tenant_header}) [OPEN]"
+    return [
+        f"security posture: router API     {where}/v1: {clients}",
+        f"security posture: router metrics {where}/metrics: no credential (tenant names as labels); keep it on the operators' network",
+    ]

@@ -105,9 +105,9 @@ async def warm(service: TransferService, index: Index, sources: list[str] | None
             logger.warning("warm: peer %s is unreachable: %s", peer.node_id, exc)
             continue
         for namespace, parent, hashes in chains:
-            digest = node.register_namespace(namespace)
             try:
-                stored = await service.fetch_from(peer.transport_address, digest, hashes, parent, service.config.handoff_timeout_s)
+                with node.peer_namespace(namespace) as digest:  # a peer named it: it counts against the peers' share
+                    stored = await service.fetch_from(peer.transport_address, digest, hashes, parent, service.config.handoff_timeout_s)
             except KVStoreError as exc:
                 logger.warning("warm: fetching %d blocks from %s failed: %s", len(hashes), peer.node_id, exc)
                 report.remaining_blocks += len(hashes)

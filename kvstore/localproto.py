@@ -44,7 +44,7 @@ import numpy as np
 from kvstore.errors import InvalidArgument, KVStoreError, raise_error
 from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.layout import KVLayout
-from kvstore.namespace import Namespace
+from kvstore.namespace import SALT_DIGEST_BYTES, Namespace, SaltDigest
 from kvstore.tier_kind import TIER_BY_RANK, TierKind
 from kvstore.version import LOCAL_PROTOCOL_VERSION
 
@@ -70,6 +70,10 @@ __all__ = [
     "pack_hashes",
     "unpack_hashes",
     "checked_chain",
+    "checked_digest",
+    "checked_parent",
+    "checked_text",
+    "checked_count",
     "pack_handles",
     "pack_checksums",
     "unpack_checksums",
@@ -237,22 +241,39 @@ def unpack_checksums(blob: Any) -> list[int]:
 
 
 def namespace_to_wire(namespace: Namespace) -> list:
+    """The 13 fields of a namespace, its tenant salt as the salt's digest: what an engine
+    registers and daemons send each other, so that a salt never leaves the engine."""
     layout = namespace.layout
     return [
         namespace.model_id, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size,
         layout.dtype, layout.kv_planes, layout.inner_order,
-        namespace.tp_rank, namespace.tp_size, namespace.pp_rank, namespace.pp_size, namespace.tenant_salt,
+        namespace.tp_rank, namespace.tp_size, namespace.pp_rank, namespace.pp_size, namespace.salt_digest,
     ]  # fmt: skip
 
 
-def namespace_from_wire(fields: Any) -> Namespace:
+def namespace_from_wire(fields: Any, salt_in_clear: bool = True) -> Namespace:
+    """A namespace from its 13 fields; the last is the tenant salt's digest (bytes) or, where
+    ``salt_in_clear`` (an engine of this host registering), the salt itself (a string)."""
     if not isinstance(fields, list) or len(fields) != 13:
-        raise InvalidArgument("a namespace is 13 fields: model, layout (7), tp rank/size, pp rank/size, tenant salt.")
+        raise InvalidArgument(
+            f"a namespace is 13 fields: model, layout (7), tp rank/size, pp rank/size, tenant salt digest; got {describe(fields)}."
+        )
     model, layers, heads, head_dim, block_size, dtype, planes, order, tp_rank, tp_size, pp_rank, pp_size, salt = fields
+    if isinstance(salt, bytes):
+        if len(salt) != SALT_DIGEST_BYTES:
+            raise InvalidArgument(f"a namespace's tenant salt digest is {SALT_DIGEST_BYTES} bytes, got {describe(salt)}.")
+        salt = SaltDigest(salt)
+    elif not (salt_in_clear and isinstance(salt, str)):
+        raise InvalidArgument(
+            f"a namespace's last field is its tenant salt's {SALT_DIGEST_BYTES}-byte BLAKE3 digest, got {describe(salt)}; "
+            "a peer that sends the salt itself runs an older kvstore: upgrade it."
+        )
+    if not isinstance(model, str) or len(model) > MAX_TEXT_CHARS:
+        raise InvalidArgument(f"a namespace's model is a string of at most {MAX_TEXT_CHARS} characters, got {describe(model)}.")
     try:
         layout = KVLayout(layers, heads, head_dim, block_size, dtype, planes, order)
         return Namespace(model, layout, tp_rank, tp_size, pp_rank, pp_size, salt)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         if isinstance(exc, InvalidArgument):
             raise
         raise InvalidArgument(f"a namespace field has the wrong type ({exc}).") from None
@@ -347,6 +368,10 @@ def _text_or_none(value: Any) -> str | None:
     return None if value is None else _text(value)
 
 
+def _seconds_or_none(value: Any) -> float | None:
+    return None if value is None else _seconds(value)
+
+
 def _version(value: Any) -> int:
     if type(value) is not int:
         raise InvalidArgument(f"the protocol version is an integer, got {describe(value)}.")
@@ -390,6 +415,7 @@ SIGNATURES: dict[int, tuple[tuple[str, Check, bool], ...]] = {
         ("block hashes", unpack_hashes, False),
         ("blocks already loaded", _count, False),
         ("source", _text_or_none, True),
+        ("deadline_s", _seconds_or_none, True),  # what is left of the load's deadline; None: the daemon's own bound
     ),
     Op.FETCHED: (
         ("blocks verified", _count, False),
@@ -410,6 +436,13 @@ SIGNATURES: dict[int, tuple[tuple[str, Check, bool], ...]] = {
     Op.HANDOFF_WAIT: (("transfer id", _text, False), ("stop layer", _layer, False), ("timeout_s", _seconds, False)),
     Op.HANDOFF_CLOSE: (("transfer id", _text, False),),
 }
+
+
+# the same checks, for the requests daemons send each other (kvstore/transfers/peer_requests.py)
+checked_digest = _digest
+checked_parent = _parent
+checked_text = _text
+checked_count = _count
 
 
 def checked_args(op: int, args: list) -> list:

@@ -25,17 +25,19 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvstore.errors import CapacityExhausted, InvalidArgument, NotFound, ReservationExpired, UnknownNamespace
+from kvstore.errors import CapacityExhausted, InvalidArgument, KVStoreError, NotFound, ReservationExpired, TierUnavailable, UnknownNamespace
 from kvstore.hashing import HASH_BYTES, BlockHash, chain_hashes
 from kvstore.metrics import Metrics
-from kvstore.namespace import Namespace
+from kvstore.namespace import Namespace, SaltDigest
 from kvstore.tier_kind import TIER_BY_RANK, TierKind
 from kvstore.tiers.base import TierStats, byte_view
 from kvstore.tiers.manager import BlockInfo, EvictResult, ReadLease, Reservation, TierManager
@@ -53,6 +55,7 @@ class Limits:
     max_inline_bytes: int = 64 * 1024 * 1024
     max_page_size: int = 10_000
     max_namespaces: int = 4096  # distinct namespaces a node keeps (each costs a table entry for good)
+    max_peer_namespaces: int = 1024  # of those, registered by peers only, on top: peers never take an engine's room
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,7 @@ class NodeStats:
     num_reservations: int
     num_sessions: int
     counters: dict[str, int]
+    problems: tuple[str, ...] = ()  # why the node is NOT_SERVING, one sentence each
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +80,16 @@ class BlockPage:
     total: int
 
 
+logger = logging.getLogger(__name__)
+
 MAX_HOLD_S = 600.0  # a lookup hold covers the lookup-to-load gap of an engine step, not storage
+_FORGET_CANDIDATES = 16  # peer namespaces looked at to make room for one more: a registration stays O(1)
+
+
+def _without_salt(namespace: Namespace) -> Namespace:
+    """The namespace as this node keeps it: an engine may have sent its tenant salt (gRPC, an
+    older client), but only the salt's digest is ever needed, so the salt is not kept."""
+    return dataclasses.replace(namespace, tenant_salt=SaltDigest(namespace.salt_digest))
 
 
 class _Session:
@@ -102,6 +115,12 @@ class Node:
         self.lookup_counts: collections.Counter[str] = collections.Counter()
         self._session_ids = itertools.count(1)
         self._hold_sessions: dict[int, int] = {}  # hold id → the session that took it
+        # why health says NOT_SERVING: the host tier's file was removed or replaced under it
+        self._host_slab_problem: str | None = None
+        # registered by peers and by no engine of this host, oldest first, and how many peer
+        # conversations are storing under each now (those are never forgotten)
+        self._peer_namespaces: dict[bytes, None] = {}
+        self._peer_namespaces_in_use: collections.Counter[bytes] = collections.Counter()
 
     # -- sessions -----------------------------------------------------------------------
     def open_session(self) -> int:
@@ -135,15 +154,98 @@ class Node:
         for session_id in [*self._sessions, *self._orphans]:
             self.close_session(session_id)
 
+    # -- health ---------------------------------------------------------------------------
+    @property
+    def problems(self) -> tuple[str, ...]:
+        """Why the node is not serving (gRPC health NOT_SERVING), one sentence each; empty
+        while it serves."""
+        return () if self._host_slab_problem is None else (self._host_slab_problem,)
+
+    def check_host_slab(self) -> str | None:
+        """Whether the host tier's file is still the one the daemon maps: the sentence saying
+        it is not (logged the first time), or None. Engines already connected keep being
+        served from the daemon's mapping, which is theirs too; the next engine to connect
+        has the file recreated (``renew_host_slab``)."""
+        problem = self.manager.host_slab_problem()
+        if problem is not None and problem != self._host_slab_problem:
+            logger.error("%s", problem)
+        self._host_slab_problem = problem
+        return problem
+
+    def renew_host_slab(self, keep_session: int) -> list[int]:
+        """At an engine's handshake: when the host tier's file was removed or replaced, end
+        every other session (their engines map the old file, and must not be handed slots
+        of the new one), recreate the file and drop the blocks the old one held (misses).
+        Returns the sessions ended, for the front end to cut their connections; raises
+        TierUnavailable when the file cannot be recreated."""
+        problem = self.check_host_slab()
+        if problem is None:
+            return []
+        try:
+            dropped = self.manager.replace_host_slab()  # changes nothing when it fails: the engines keep the old file
+        except KVStoreError as exc:
+            raise TierUnavailable(f"{problem} Recreating it failed: {exc}") from exc
+        ended = [session_id for session_id in [*self._sessions, *self._orphans] if session_id != keep_session]
+        for session_id in ended:
+            self.close_session(session_id, owner_gone=True)  # what their engines copy now lands in the old file only
+        logger.warning(
+            "Recreated the host tier file; the %d blocks the lost one held were dropped (misses) and %d engine sessions "
+            "were ended (their engines reconnect and map the new file).",
+            dropped,
+            len(ended),
+        )
+        self.check_host_slab()
+        return ended
+
     # -- namespaces -----------------------------------------------------------------------
     def register_namespace(self, namespace: Namespace) -> bytes:
+        """Register a namespace for an engine (or an operator) of this host."""
         known = self.manager.namespaces()
-        if namespace.digest not in known and len(known) >= self.limits.max_namespaces:
+        num_local = len(known) - len(self._peer_namespaces)
+        if namespace.digest not in known and num_local >= self.limits.max_namespaces:
             raise CapacityExhausted(
-                f"node {self.node_id} knows {len(known)} namespaces, its limit; restart it to forget the ones no engine uses."
+                f"node {self.node_id} knows {num_local} namespaces, its limit; restart it to forget the ones no engine uses."
             )
-        self.manager.register_namespace(namespace)
+        self.manager.register_namespace(_without_salt(namespace))
+        self._peer_namespaces.pop(namespace.digest, None)
         return namespace.digest
+
+    def register_peer_namespace(self, namespace: Namespace) -> bytes:
+        """Register a namespace a peer sent blocks under. Peers' namespaces have a bound of
+        their own beside the engines' (``Limits.max_peer_namespaces``), so a peer that
+        invents namespaces fills only its share of the table, never an engine's; when that
+        share is full, the oldest peer namespace that holds no block makes room."""
+        if namespace.digest in self.manager.namespaces():
+            return namespace.digest
+        if len(self._peer_namespaces) >= self.limits.max_peer_namespaces and not self._forget_a_peer_namespace():
+            raise CapacityExhausted(
+                f"node {self.node_id} knows {len(self._peer_namespaces)} namespaces that only peers registered, its limit, "
+                "and each holds blocks; it takes blocks under a new one once some are evicted."
+            )
+        self.manager.register_namespace(_without_salt(namespace))
+        self._peer_namespaces[namespace.digest] = None
+        return namespace.digest
+
+    @contextlib.contextmanager
+    def peer_namespace(self, namespace: Namespace) -> Iterator[bytes]:
+        """``register_peer_namespace`` for a conversation that stores under it: the namespace
+        is not forgotten while the conversation lasts."""
+        digest = self.register_peer_namespace(namespace)
+        self._peer_namespaces_in_use[digest] += 1
+        try:
+            yield digest
+        finally:
+            self._peer_namespaces_in_use[digest] -= 1
+            if not self._peer_namespaces_in_use[digest]:
+                del self._peer_namespaces_in_use[digest]
+
+    def _forget_a_peer_namespace(self) -> bool:
+        for digest in list(itertools.islice(self._peer_namespaces, _FORGET_CANDIDATES)):
+            if digest not in self._peer_namespaces_in_use and self.manager.forget_namespace(digest):
+                del self._peer_namespaces[digest]
+                return True
+            self._peer_namespaces[digest] = self._peer_namespaces.pop(digest)  # holds blocks: look at it last next time
+        return False
 
     def namespace(self, digest: bytes) -> Namespace:
         known = self.manager.namespaces()
@@ -322,6 +424,7 @@ class Node:
             num_leases=manager.num_leases,
             num_reservations=manager.num_reservations,
             num_sessions=len(self._sessions),
+            problems=self.problems,
             counters={
                 **manager.counters,
                 **self.lookup_counts,
@@ -381,8 +484,10 @@ class Node:
         return self.manager.unpin(digest, hashes)
 
     def housekeeping(self) -> None:
-        """Periodic work that never waits: expire reservations, refresh gauges. (Demotion
-        above the watermarks waits for NVMe; the daemon drives ``relieve_pressure_steps``.)"""
+        """Periodic work that never waits: expire reservations, refresh gauges, check that the
+        host tier's file is still there. (Demotion above the watermarks waits for NVMe; the
+        daemon drives ``relieve_pressure_steps``.)"""
+        self.check_host_slab()
         self.manager.expire_reservations()
         for hold_id in self.manager.expire_holds():
             session = self._sessions.get(self._hold_sessions.pop(hold_id, 0))

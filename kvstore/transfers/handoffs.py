@@ -239,6 +239,15 @@ class HandoffRegistry:
             self.settle(handoff)
         return expired
 
+    def fail_all_incoming(self, reason: str) -> None:
+        """Every incoming handoff ends: its staging lies in a host tier file that was
+        replaced, so a consumer that maps the new one would read other bytes there."""
+        for handoff in list(self.incoming.values()):
+            handoff.attached = False
+            handoff.reader_done = True
+            handoff.fail(reason)
+            self.settle(handoff)
+
     def close(self) -> None:
         """The daemon stops: every handoff ends (its tiers go with it)."""
         for handoff in list(self.outgoing.values()):

@@ -10,26 +10,36 @@
     {"op": "hot", "max_bytes"}                 {"chains": [[namespace, parent, hashes]…]}
 
 ``namespace`` is the 13-field wire form (kvstore/localproto.py) so a peer that never saw
-it can register it; ``hashes`` one bytes string of 16-byte chain hashes. A fetch leases
+it can register it, its tenant salt as the salt's digest (a salt never leaves the daemon
+of its engine); ``hashes`` one bytes string of 16-byte chain hashes. Every field is
+checked first (kvstore/transfers/peer_requests.py). A fetch leases
 the blocks first, so blocks on the peer's NVMe tier are promoted and verified before they
 are sent. A store reserves slots and receives each block straight into its slot; a block
 that fails its checksum is dropped and only the verified prefix before it is committed.
 Any refusal is an ERROR frame with a sentence, after which the channel is closed.
+
+A peer is trusted no more than it has to be: a conversation that makes no progress for
+``transport.peer_idle_timeout_s`` is broken off (kvstore/transfers/idle.py) and gives back
+its leases and reservations; namespaces peers register have their own bound and never
+crowd out the ones this host's engines register (``Node.peer_namespace``).
 
 Owner: the daemon's event loop; one task per channel (``serve``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
 from kvstore.chains import describable, shared_prefixes
-from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, TransferFailed
-from kvstore.localproto import namespace_from_wire, namespace_to_wire, pack_hashes, unpack_hashes
+from kvstore.errors import CorruptBlock, KVStoreError, PermissionDenied, TransferFailed
+from kvstore.localproto import namespace_to_wire, pack_hashes
 from kvstore.steps import run_steps
 from kvstore.tier_kind import TierKind
 from kvstore.transfers.handoff import IncomingHandoff
+from kvstore.transfers.idle import Watched
+from kvstore.transfers.peer_requests import checked_request
 from kvstore.transport.base import Channel
 from kvstore.transport.peer import Landing, buffer_of, send_blocks, send_control, send_error
 from kvstore.transport.wire import FrameHeader, FrameKind, decode_control
@@ -37,7 +47,10 @@ from kvstore.transport.wire import FrameHeader, FrameKind, decode_control
 if TYPE_CHECKING:
     from kvstore.transfers.service import TransferService
 
-__all__ = ["PeerServer"]
+__all__ = ["PeerServer", "READER_OPS"]
+
+# what an engine reading blocks itself may ask (transport/auth.py: its credential is a reader's)
+READER_OPS = ("fetch",)
 
 logger = logging.getLogger(__name__)
 
@@ -56,18 +69,20 @@ class PeerServer:
         }
 
     async def serve(self, channel: Channel) -> None:
+        idle_s = self.service.config.peer_idle_timeout_s
         try:
             while True:
-                header = await channel.recv_header()
-                if header.kind is not FrameKind.CONTROL:
-                    raise CorruptBlock(f"a conversation must start with a CONTROL frame, got {header.kind.name}.")
-                message = decode_control(header, await channel.recv_bytes(header))
-                if not isinstance(message, dict) or message.get("op") not in self._ops:
-                    raise InvalidArgument(f"unknown peer request {message!r:.80}; this daemon serves {sorted(self._ops)}.")
-                try:
-                    await self._ops[message["op"]](channel, header.transfer_id, message)
-                except (KeyError, TypeError, ValueError) as exc:
-                    raise InvalidArgument(f"malformed {message['op']} request: {exc!r}.") from exc
+                header = await channel.recv_header()  # between conversations nothing is held: no deadline
+                async with asyncio.timeout(idle_s) as deadline:
+                    watched = Watched(channel, deadline, idle_s)
+                    if header.kind is not FrameKind.CONTROL:
+                        raise CorruptBlock(f"a conversation must start with a CONTROL frame, got {header.kind.name}.")
+                    op, fields = checked_request(decode_control(header, await watched.recv_bytes(header)))
+                    if channel.role != "daemon" and op not in READER_OPS:
+                        raise PermissionDenied(f"a {channel.role} may only {', '.join(READER_OPS)}; {op!r} needs a daemon's credential.")
+                    await self._ops[op](watched, header.transfer_id, fields)
+        except TimeoutError:
+            logger.warning("peer %s made no progress for %ss; its conversation was broken off", channel.peer, idle_s)
         except TransferFailed:
             pass  # the peer hung up: every conversation cleans up after itself
         except KVStoreError as exc:
@@ -77,9 +92,9 @@ class PeerServer:
             await channel.close()
 
     # -- conversations ------------------------------------------------------------------------
-    async def _fetch(self, channel: Channel, transfer_id: int, message: dict) -> None:
-        digest = message["namespace"]
-        lease = await run_steps(self.manager.acquire_steps(digest, unpack_hashes(message["hashes"]), TierKind.HOST))
+    async def _fetch(self, channel: Watched, transfer_id: int, fields: dict) -> None:
+        digest = fields["namespace"]
+        lease = await run_steps(self.manager.acquire_steps(digest, fields["hashes"], TierKind.HOST))
         done = False
         try:
             views = self.manager.lease_views(lease)
@@ -93,12 +108,14 @@ class PeerServer:
             self.service.settling.release_after(None if done else channel, lambda: self.manager.release(lease.id))
         self.node.metrics.transferred("out", "fetch", len(views), len(views) * lease.nbytes)
 
-    async def _store(self, channel: Channel, transfer_id: int, message: dict) -> None:
-        namespace = namespace_from_wire(message["namespace"])
-        digest = self.node.register_namespace(namespace)
-        hashes = unpack_hashes(message["hashes"])
+    async def _store(self, channel: Watched, transfer_id: int, fields: dict) -> None:
+        with self.node.peer_namespace(fields["namespace"]) as digest:
+            await self._store_under(channel, transfer_id, fields, digest)
+
+    async def _store_under(self, channel: Watched, transfer_id: int, fields: dict, digest: bytes) -> None:
+        hashes = fields["hashes"]
         try:
-            reservation = await run_steps(self.manager.reserve_steps(digest, hashes, message["parent"]))
+            reservation = await run_steps(self.manager.reserve_steps(digest, hashes, fields["parent"]))
         except KVStoreError as exc:  # no room at all: accept nothing rather than fail the peer
             logger.info("store from %s accepted nothing: %s", channel.peer, exc)
             await send_control(channel, transfer_id, {"accepted": []})
@@ -121,12 +138,16 @@ class PeerServer:
         self.node.metrics.transferred("in", "store", stored, stored * reservation.nbytes)
         await send_control(channel, transfer_id, {"stored": stored}, FrameKind.END)
 
-    async def _handoff(self, channel: Channel, transfer_id: int, message: dict) -> None:
-        namespace = namespace_from_wire(message["namespace"])
-        digest = self.node.register_namespace(namespace)
-        hashes = unpack_hashes(message["hashes"])
+    async def _handoff(self, channel: Watched, transfer_id: int, fields: dict) -> None:
+        with self.node.peer_namespace(fields["namespace"]) as digest:
+            await self._handoff_under(channel, transfer_id, fields, digest)
+
+    async def _handoff_under(self, channel: Watched, transfer_id: int, fields: dict, digest: bytes) -> None:
+        namespace, hashes = fields["namespace"], fields["hashes"]
         handoffs = self.service.handoffs
-        handoff = await handoffs.open_incoming(message["transfer"], transfer_id, digest, hashes, message["parent"], namespace.layout)
+        # the producer sends each layer as it computes it: it may rightly pause as long as a handoff may last
+        channel.allow_idle(max(channel.idle_s, self.service.config.handoff_timeout_s))
+        handoff = await handoffs.open_incoming(fields["transfer"], transfer_id, digest, hashes, fields["parent"], namespace.layout)
         handoff.channel = channel
         try:
             await send_control(channel, transfer_id, {"accepted": len(hashes)})
@@ -139,7 +160,7 @@ class PeerServer:
         handoff.channel = None
         await send_control(channel, transfer_id, {"stored": handoff.num_stored}, FrameKind.END)
 
-    async def _receive_layers(self, channel: Channel, handoff: IncomingHandoff) -> None:
+    async def _receive_layers(self, channel: Watched, handoff: IncomingHandoff) -> None:
         def landed(header: FrameHeader, ok: bool) -> None:
             if not ok:
                 self.node.metrics.dropped("checksum")
@@ -165,12 +186,12 @@ class PeerServer:
                 raise CorruptBlock(f"handoff {handoff.transfer_id!r}: unexpected {header.kind.name} frame.")
             await landing.start(header, handoff.destination_for(header))
 
-    async def _capacity(self, channel: Channel, transfer_id: int, message: dict) -> None:
+    async def _capacity(self, channel: Watched, transfer_id: int, fields: dict) -> None:
         free = sum(s.capacity_bytes - s.used_bytes for s in self.manager.tier_stats())
         await send_control(channel, transfer_id, {"node_id": self.node.node_id, "free_bytes": free})
 
-    async def _hot(self, channel: Channel, transfer_id: int, message: dict) -> None:
+    async def _hot(self, channel: Watched, transfer_id: int, fields: dict) -> None:
         blocks = describable(self.manager.blocks(), self.manager.namespaces())
-        chains = shared_prefixes(blocks, int(message["max_bytes"]))
+        chains = shared_prefixes(blocks, fields["max_bytes"])
         reply = [[namespace_to_wire(self.node.namespace(c.namespace)), c.parent, pack_hashes(list(c.hashes))] for c in chains]
         await send_control(channel, transfer_id, {"chains": reply})

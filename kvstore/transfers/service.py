@@ -25,20 +25,23 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from kvstore.errors import CorruptBlock, IndexUnavailable, InvalidArgument, KVStoreError, NotFound, TransferFailed
 from kvstore.hashing import BlockHash
 from kvstore.index.base import Index
-from kvstore.localproto import namespace_from_wire, namespace_to_wire, pack_hashes, unpack_hashes
+from kvstore.localproto import checked_count, checked_parent, namespace_to_wire, pack_hashes
 from kvstore.namespace import Namespace
 from kvstore.steps import run_steps
 from kvstore.tier_kind import TierKind
 from kvstore.tiers.records import Reservation
 from kvstore.transfers.handoff import HandoffState, IncomingHandoff, OutgoingHandoff
 from kvstore.transfers.handoffs import HandoffRegistry
+from kvstore.transfers.idle import Watched
+from kvstore.transfers.peer_requests import checked_hashes, peer_namespace
 from kvstore.transfers.peer_server import PeerServer
 from kvstore.transfers.settling import Settling
 from kvstore.transport.base import Channel, Transport
@@ -50,6 +53,8 @@ __all__ = ["TransferService"]
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 class TransferService:
     def __init__(self, node, transport: Transport, config: TransportConfig, index: Index) -> None:
@@ -59,6 +64,7 @@ class TransferService:
         self.config = config
         self.index = index
         self.pool = ChannelPool(transport, config.connect_timeout_s)
+        self.auth = transport.auth  # how peers and this node prove who they are
         self.settling = Settling()
         self.handoffs = HandoffRegistry(node.manager, config.handoff_timeout_s, self.settling)
         self.server = PeerServer(self)
@@ -145,12 +151,13 @@ class TransferService:
     def next_transfer_id(self) -> int:
         return next(self._transfer_ids)
 
-    async def resolve(self, destination: str) -> str:
-        """A transport address for a node id (through the index) or an address."""
+    async def resolve(self, destination: str, deadline_s: float | None = None, op: str = "resolve") -> str:
+        """A transport address for a node id (through the index, within ``deadline_s``; by
+        default transport.connect_timeout_s: resolving is part of connecting) or an address."""
         if "://" in destination:
             return destination
         try:
-            nodes = await self.index.nodes()
+            nodes = await self._index_call(op, self.index.nodes(), deadline_s)
         except KVStoreError as exc:
             raise IndexUnavailable(f"cannot resolve node {destination!r}: the index is unreachable ({exc}).") from exc
         for info in nodes:
@@ -158,16 +165,30 @@ class TransferService:
                 return info.transport_address
         raise NotFound(f"no live node {destination!r} with a transport address is in the index.")
 
+    async def _index_call(self, op: str, call: Coroutine[Any, Any, T], deadline_s: float | None) -> T:
+        """``call`` to the index, given up at the caller's deadline: a Redis that stopped
+        answering costs an engine its deadline, never the index's own retries (seconds)."""
+        deadline_s = self.config.connect_timeout_s if deadline_s is None else deadline_s
+        try:
+            async with asyncio.timeout(max(deadline_s, 0.0)):
+                return await call
+        except TimeoutError:
+            self.node.metrics.index_timed_out(op)
+            raise IndexUnavailable(
+                f"the index did not answer within the {deadline_s:.3f}s deadline of a {op}; it counts as a miss."
+            ) from None
+
     # -- remote fetch ---------------------------------------------------------------------------
     async def fetch_missing(self, digest: bytes, hashes: Sequence[BlockHash], deadline_s: float, source: str | None = None) -> int:
         """Bring the blocks of ``hashes`` this node misses from the peer holding the most
-        of them (or ``source``); returns the length of the locally cached prefix after."""
+        of them (or ``source``); returns the length of the locally cached prefix after.
+        The index lookup and the transfer share ``deadline_s``."""
         started = time.monotonic()
         have = len(self.manager.lookup(digest, hashes))
         if have == len(hashes):
             return have
         if source is None:
-            source, upto = await self._best_source(digest, hashes, have)
+            source, upto = await self._best_source(digest, hashes, have, deadline_s, "fetch")
         else:
             upto = len(hashes)
         if source is None:
@@ -181,23 +202,31 @@ class TransferService:
                 logger.info("remote fetch from %s failed: %s", source, exc)
         return len(self.manager.lookup(digest, hashes))
 
-    async def locate(self, digest: bytes, hashes: Sequence[BlockHash], have: int, source: str | None = None) -> tuple[str, int]:
+    async def locate(
+        self, digest: bytes, hashes: Sequence[BlockHash], have: int, source: str | None = None, deadline_s: float | None = None
+    ) -> tuple[str, int]:
         """Where an engine that loaded the first ``have`` blocks itself reads the rest: the
         transport address of ``source`` (or of the peer the index says holds the most of
-        the chain past ``have``) and how far that peer's blocks reach; ("", have) if none."""
+        the chain past ``have``) and how far that peer's blocks reach; ("", have) if none,
+        or if the index does not answer within ``deadline_s`` (what is left of the load's)."""
         if source is not None:
             try:
-                return await self.resolve(source), len(hashes)
+                return await self.resolve(source, deadline_s, "locate"), len(hashes)
             except KVStoreError as exc:
                 logger.info("remote read from %s skipped: %s", source, exc)
                 return "", have
-        address, upto = await self._best_source(digest, hashes, have)
+        address, upto = await self._best_source(digest, hashes, have, deadline_s, "locate")
         return address or "", upto
 
-    async def _best_source(self, digest: bytes, hashes: Sequence[BlockHash], have: int) -> tuple[str | None, int]:
-        try:
+    async def _best_source(
+        self, digest: bytes, hashes: Sequence[BlockHash], have: int, deadline_s: float | None, op: str
+    ) -> tuple[str | None, int]:
+        async def ask() -> tuple[list, dict]:
             matches = await self.index.match(digest, hashes)
-            nodes = {n.node_id: n for n in await self.index.nodes()}
+            return matches, {n.node_id: n for n in await self.index.nodes()}
+
+        try:
+            matches, nodes = await self._index_call(op, ask(), deadline_s)
         except KVStoreError as exc:
             logger.info("remote fetch skipped, the index is unreachable: %s", exc)
             return None, have
@@ -226,7 +255,7 @@ class TransferService:
             async with asyncio.timeout(deadline_s):  # one deadline for connecting and receiving
                 channel = await self.pool.checkout(address)
                 reply = await request(channel, transfer_id, {"op": "fetch", "namespace": digest, "hashes": pack_hashes(wanted)})
-                count = int(reply["count"])
+                count = _answer(reply, "count", address, checked_count)
                 if count > len(wanted):
                     raise CorruptBlock(f"the peer {address} offered {count} blocks of the {len(wanted)} asked for.")
                 await self.receive_blocks(channel, slots, wanted, count, verified)
@@ -263,13 +292,12 @@ class TransferService:
             transfer_id = self.next_transfer_id()
             channel = await self.pool.checkout(address)
             message = {"op": "store", "namespace": namespace_to_wire(namespace), "hashes": pack_hashes(leased), "parent": parent}
-            accepted = (await request(channel, transfer_id, message))["accepted"]
-            if any(not isinstance(seq, int) or not 0 <= seq < len(leased) for seq in accepted):
-                raise CorruptBlock(f"the peer {address} accepted blocks it was not offered.")
-            blocks = [(seq, leased[seq], buffer_of(views[seq]), lease.blocks[seq].checksum) for seq in accepted]
-            await send_blocks(channel, transfer_id, digest, blocks)
-            await send_control(channel, transfer_id, {}, FrameKind.END)
-            stored = int((await self.expect_end(channel))["stored"])
+            async with self._conversation(channel, address) as watched:
+                accepted = _answer(await request(watched, transfer_id, message), "accepted", address, _sequences(len(leased)))
+                blocks = [(seq, leased[seq], buffer_of(views[seq]), lease.blocks[seq].checksum) for seq in accepted]
+                await send_blocks(watched, transfer_id, digest, blocks)
+                await send_control(watched, transfer_id, {}, FrameKind.END)
+                stored = _answer(await self.expect_end(watched), "stored", address, checked_count)
             self.pool.checkin(address, channel)
             channel = None
         finally:
@@ -280,13 +308,26 @@ class TransferService:
         return stored
 
     async def capacity(self, address: str) -> int:
-        async with self.pool.channel(address) as channel:
-            return int((await request(channel, self.next_transfer_id(), {"op": "capacity"}))["free_bytes"])
+        async with self.pool.channel(address) as channel, self._conversation(channel, address) as watched:
+            return _answer(await request(watched, self.next_transfer_id(), {"op": "capacity"}), "free_bytes", address, checked_count)
 
     async def hot_chains(self, address: str, max_bytes: int) -> list[tuple[Namespace, BlockHash | None, list[BlockHash]]]:
-        async with self.pool.channel(address) as channel:
-            reply = await request(channel, self.next_transfer_id(), {"op": "hot", "max_bytes": max_bytes})
-        return [(namespace_from_wire(ns), parent, unpack_hashes(blob)) for ns, parent, blob in reply["chains"]]
+        """The hottest shared chains of the peer at ``address``, checked as any request from a
+        peer is (kvstore/transfers/peer_requests.py)."""
+        async with self.pool.channel(address) as channel, self._conversation(channel, address) as watched:
+            reply = await request(watched, self.next_transfer_id(), {"op": "hot", "max_bytes": max_bytes})
+        return _answer(reply, "chains", address, _chains)
+
+    @contextlib.asynccontextmanager
+    async def _conversation(self, channel: Channel, address: str) -> AsyncIterator[Watched]:
+        """``channel`` for one conversation this node starts, broken off (TransferFailed) once
+        the peer makes no progress for ``transport.peer_idle_timeout_s``."""
+        idle_s = self.config.peer_idle_timeout_s
+        try:
+            async with asyncio.timeout(idle_s) as deadline:
+                yield Watched(channel, deadline, idle_s)
+        except TimeoutError:
+            raise TransferFailed(f"the peer {address} made no progress for {idle_s}s; the transfer was broken off.") from None
 
     # -- handoff, producer side ------------------------------------------------------------------
     async def handoff_send(
@@ -392,3 +433,30 @@ class TransferService:
 
     def housekeeping(self) -> None:
         self.handoffs.expire()
+
+
+# -- what a peer answers, checked as what it asks is (kvstore/transfers/peer_requests.py) ---------------
+def _answer(reply: Any, field: str, address: str, check: Callable[[Any], T]) -> T:
+    """``reply[field]`` through ``check``; CorruptBlock where the peer answered anything else."""
+    try:
+        return check(reply[field])
+    except (KeyError, TypeError, IndexError, InvalidArgument) as exc:
+        raise CorruptBlock(f"the peer {address} answered with a malformed {field!r} ({exc}); the transfer was dropped.") from None
+
+
+def _sequences(num_offered: int) -> Callable[[Any], list[int]]:
+    def check(value: Any) -> list[int]:
+        if not isinstance(value, list) or len(set(value)) != len(value):
+            raise InvalidArgument("block positions are a list without repeats")
+        for seq in value:
+            if type(seq) is not int or not 0 <= seq < num_offered:
+                raise InvalidArgument(f"a block position lies in [0, {num_offered})")
+        return value
+
+    return check
+
+
+def _chains(value: Any) -> list[tuple[Namespace, BlockHash | None, list[BlockHash]]]:
+    if not isinstance(value, list) or not all(isinstance(c, list) and len(c) == 3 for c in value):
+        raise InvalidArgument("chains are a list of [namespace, parent, hashes]")
+    return [(peer_namespace(ns), checked_parent(parent), checked_hashes(blob)) for ns, parent, blob in value]

@@ -3,7 +3,8 @@
 Every command but `serve`, `clean` and `version` talks to a daemon's gRPC API. The address comes
 from ``--address``, else ``$KVSTORE_ADDRESS``, else the state file the daemon wrote next
 to its socket (``--socket`` / ``$KVSTORE_SERVER_SOCKET_PATH`` / the default path). The
-bearer token comes from ``--token`` or ``$KVSTORE_TOKEN``.
+bearer token comes from ``--token`` or ``$KVSTORE_TOKEN``, else from the token file that a
+daemon of this user generated (named in its state file; kvstore/paths.py).
 
 Output is a human-readable table, or one JSON document with ``--json``. Exit codes:
 
@@ -41,19 +42,27 @@ class Context:
         self.address = address
         self.socket_path = socket_path
         self.token = token
+        self.token_file: Path | None = None  # the one the daemon's state file names
         self.as_json = as_json
 
     def client(self):
         from kvstore.api.client import connect
+        from kvstore.paths import token_for
 
-        return connect(self.resolve_address(), token=self.token)
+        address = self.resolve_address()
+        token = self.token if self.token is not None else token_for(address, self.token_file)
+        return connect(address, token=token)
 
     def resolve_address(self) -> str:
+        """The daemon's gRPC address: given, or from its state file, which also names the
+        token file the daemon generated (sent when no token is given)."""
         if self.address:
             return self.address
         from kvstore.paths import default_socket_path, read_state
 
-        return read_state(Path(self.socket_path) if self.socket_path else default_socket_path())["grpc_address"]
+        state = read_state(Path(self.socket_path) if self.socket_path else default_socket_path())
+        self.token_file = Path(state["auth_token_file"]) if state.get("auth_token_file") else None
+        return state["grpc_address"]
 
     def emit(self, document: Any, human: Callable[[], None]) -> None:
         if self.as_json:
@@ -240,6 +249,7 @@ def _stats_document(client) -> dict:
         "reservations": response.num_reservations,
         "sessions": response.num_sessions,
         "counters": dict(sorted(response.counters.items())),
+        "problems": list(response.problems),  # why health says NOT_SERVING
     }
 
 
@@ -285,7 +295,14 @@ def status(ctx: Context) -> None:
     with ctx.client() as client:
         serving = client.health()
         document = {"status": serving, **_stats_document(client)}
-    ctx.emit(document, lambda: (click.echo(f"kvstore at {client.address}: {serving}"), _print_stats(document, with_counters=False)))
+    ctx.emit(
+        document,
+        lambda: (
+            click.echo(f"kvstore at {client.address}: {serving}"),
+            [click.echo(problem) for problem in document["problems"]],
+            _print_stats(document, with_counters=False),
+        ),
+    )
 
 
 def _fleet_document(ctx: Context, client) -> dict:

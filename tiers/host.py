@@ -147,13 +147,48 @@ class SharedSlab:
             os.close(fd)
         return cls(path, mapping, owner_fd=None)
 
+    def file_problem(self) -> str | None:
+        """None while ``path`` names the file this (creating) side maps; else a sentence
+        saying that it was removed or replaced: an engine that connects now cannot map it,
+        or would map another file than the daemon's."""
+        if self._owner_fd is None:
+            return None
+        mapped = os.fstat(self._owner_fd)
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            named = None
+        except OSError as exc:
+            return f"The host tier file {self.path} cannot be checked ({exc.strerror}); engines that connect now may not map it."
+        if named is not None and (named.st_dev, named.st_ino) == (mapped.st_dev, mapped.st_ino):
+            return None
+        return (
+            f"The host tier file {self.path} was removed or replaced (systemd's RemoveIPC=yes removes a user's /dev/shm files "
+            "when it logs out); engines that connect now cannot map the daemon's. Set RemoveIPC=no in logind.conf or run the "
+            "daemon as a system user; the daemon recreates the file when the next engine connects, and the blocks the old one "
+            "held become misses."
+        )
+
+    def share_like(self, other: SharedSlab) -> None:
+        """Give this (created) file the group and mode the daemon gave ``other``'s, so that
+        the engines allowed to map that one may map this one."""
+        assert self._owner_fd is not None and other._owner_fd is not None, "only the creator shares its file"
+        info = os.fstat(other._owner_fd)
+        try:
+            os.fchown(self._owner_fd, -1, info.st_gid)
+            os.fchmod(self._owner_fd, stat.S_IMODE(info.st_mode))
+        except OSError as exc:
+            raise TierUnavailable(f"cannot give {self.path} the group and mode of the file it replaces: {exc.strerror}.") from exc
+
     def view(self, slot: Slot, nbytes: int | None = None) -> torch.Tensor:
         length = slot.nbytes if nbytes is None else nbytes
         if slot.offset < 0 or slot.offset + length > self.tensor.numel():
             raise InvalidArgument(f"slot {slot} lies outside the {self.tensor.numel()}-byte host slab.")
         return self.tensor[slot.offset : slot.offset + length]
 
-    def close(self) -> None:
+    def close(self, unlink: bool = True) -> None:
+        """Drop the mapping; the creator removes the file too, unless ``unlink`` is False
+        (the path names another file by now)."""
         if self._prefault is not None:
             self._prefault.stop()
         self.tensor = torch.empty(0, dtype=torch.uint8)
@@ -163,7 +198,8 @@ class SharedSlab:
             # views handed out earlier still reference the mapping; it goes when they do
             pass
         if self._owner_fd is not None:
-            self.path.unlink(missing_ok=True)
+            if unlink:
+                self.path.unlink(missing_ok=True)
             os.close(self._owner_fd)
             self._owner_fd = None
 
@@ -178,6 +214,31 @@ class HostTier(MemoryTier):
     @property
     def path(self) -> Path:
         return self.shared.path
+
+    def file_problem(self) -> str | None:
+        """None while the tier's path names the file it maps; else a sentence (SharedSlab.file_problem)."""
+        return self.shared.file_problem()
+
+    def recreate(self) -> None:
+        """Map a new file at the tier's path in place of one removed or replaced, keeping the
+        slot layout. The old file's bytes stay where they are, for whoever still maps them:
+        nothing copies them over, so the caller drops every block and reservation the tier
+        held (TierManager.replace_host_slab). A file a live daemon holds at the path is
+        never taken over (TierUnavailable, and the tier keeps the file it maps)."""
+        old = self.shared
+        new = SharedSlab.create(self.config.path, self.config.capacity_bytes, reclaim_stale=True)
+        try:
+            new.share_like(old)
+        except BaseException:
+            new.close()
+            raise
+        new.prefault(PREFAULT_BUDGET_S, "host tier")
+        self.shared = new
+        # the buffer a memory tier copies through (tiers/memory.py), re-pointed at the new mapping
+        self._buffer = new.tensor
+        self._cpu_base = new.tensor.data_ptr()
+        self._cpu_bytes = memoryview(new.tensor.numpy())
+        old.close(unlink=False)
 
     def close(self) -> None:
         self._buffer = torch.empty(0, dtype=torch.uint8)

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.errors import BlockSizeMismatch, CapacityExhausted, InvalidArgument, UnknownNamespace
+from kvstore.errors import BlockSizeMismatch, CapacityExhausted, InvalidArgument, TierUnavailable, UnknownNamespace
 from kvstore.events import BlockStored, EventQueue, RemovalReason
 from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.namespace import Namespace
@@ -61,6 +61,7 @@ from kvstore.tiers.base import BlockMeta, Tier, TierStats, block_checksum, byte_
 from kvstore.tiers.catalogue import BlockEntry, RecentChains
 from kvstore.tiers.eviction import POLICIES
 from kvstore.tiers.holds import LookupHolds
+from kvstore.tiers.host import HostTier
 from kvstore.tiers.leases import ReadLeases
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.movement import Mover, block_meta
@@ -152,6 +153,15 @@ class TierManager:
         """The namespace of ``digest``, None where it is unknown or only recovered blocks name it."""
         return self._namespaces.get(digest)
 
+    def forget_namespace(self, digest: bytes) -> bool:
+        """Forget a registered namespace no cached block names, freeing its table entry;
+        False, changing nothing, where a block still does."""
+        # the catalogue's per-namespace index of cached blocks (tiers/catalogue.py) answers without a scan
+        if self._namespaces.get(digest) is None or self.catalogue._ranks.get(digest):
+            return False
+        del self._namespaces[digest], self._block_bytes[digest]
+        return True
+
     def block_bytes(self, namespace: bytes) -> int:
         try:
             return self._block_bytes[namespace]
@@ -219,6 +229,7 @@ class TierManager:
         shorter prefix is still useful); CapacityExhausted only when none fit.
         """
         nbytes = self.block_bytes(namespace)
+        _check_chain_metadata(hashes, parent_hash)
         kind = self._stack.usable(tier)
         return (yield from self._reservations.reserve_steps(namespace, nbytes, kind, hashes, parent_hash))
 
@@ -341,6 +352,10 @@ class TierManager:
         return run(self.acquire_steps(namespace, hashes, tier))
 
     def lease_views(self, lease: ReadLease) -> list[torch.Tensor]:
+        """Views of a lease's blocks where they are now. A lease whose blocks were dropped
+        under it (its tier's memory was replaced) has none: its slots hold other bytes."""
+        if self._leases.holds(lease.id) and not all(map(self._residency.is_cached, self._leases.entries(lease.id))):
+            raise TierUnavailable(f"the blocks of lease {lease.id} were dropped from the {lease.tier.value} tier; treat them as misses.")
         slots = [block.slot for block in lease.blocks]
         return self._stack.views(lease.tier, slots, lease.nbytes, "cannot be read through views")
 
@@ -415,6 +430,37 @@ class TierManager:
 
     def persist(self, batch: int = 256) -> int:
         return run(self.persist_steps(batch))
+
+    # -- the host tier's file ---------------------------------------------------------------
+    def host_slab_problem(self) -> str | None:
+        """None while the host tier's path names the file it maps (or there is no host
+        tier); else a sentence saying it was removed or replaced."""
+        tier = self._host_tier()
+        return None if tier is None else tier.file_problem()
+
+    def replace_host_slab(self) -> int:
+        """Give the host tier a new file at its path, dropping every block it held (copying
+        the old file's bytes over would stall the owner's thread for the whole slab, while
+        engines that still map it may write into it) and aborting its open reservations
+        (their writers copy into the old file).
+        Leases already granted read the old mapping, which stays until they are released.
+        Returns the number of blocks dropped; when the file cannot be made
+        (TierUnavailable), nothing changed. The caller then ends the sessions of engines
+        that map the old file, before they are handed slots of the new one."""
+        tier = self._host_tier()
+        if tier is None:
+            return 0
+        self.wait_moves()  # a promotion under way lands in the old mapping
+        tier.recreate()  # first: when it fails, nothing changed
+        self._reservations.abort_all(tier.kind)
+        dropped = [entry for entry in self.catalogue if entry.tier is tier.kind]
+        for entry in dropped:
+            self._residency.drop(entry, RemovalReason.TIER_FAILED)
+        self.counters["host_slab_recreated"] += 1
+        return len(dropped)
+
+    def _host_tier(self) -> HostTier | None:
+        return next((tier for tier in self._stack if isinstance(tier, HostTier)), None)
 
     # -- I/O completion ---------------------------------------------------------------------
     def wait_moves(self) -> None:
@@ -504,3 +550,15 @@ class TierManager:
             self._residency.add([BlockEntry(key, parent_key, tier.kind, slot, meta.nbytes, now, checksum)])
             self.events.append(BlockStored(meta.namespace, (meta.block_hash,), meta.parent_hash, tier.kind, meta.nbytes))
             self.counters["blocks_recovered"] += 1
+
+
+def _check_chain_metadata(hashes: Sequence[BlockHash], parent_hash: BlockHash | None) -> None:
+    """Refuse a chain whose hashes a tier could not record: checked where blocks enter, so
+    that malformed metadata is the caller's error now, never a tier's failure later. On
+    every save: the lengths are counted in C, not looped over."""
+    if parent_hash is not None and len(parent_hash) != HASH_BYTES:
+        raise InvalidArgument(f"parent_hash must be None or {HASH_BYTES} bytes, got {len(parent_hash)} bytes.")
+    lengths = list(map(len, hashes))
+    if lengths.count(HASH_BYTES) != len(lengths):
+        index = next(i for i, n in enumerate(lengths) if n != HASH_BYTES)
+        raise InvalidArgument(f"block hash {index} of the chain must be {HASH_BYTES} bytes, got {lengths[index]} bytes.")

@@ -21,7 +21,9 @@ Outcomes, each the fault of the tier that caused it:
 - the source could not be read (an NVMe read error): the block is dropped and its slot
   retired (never handed out again); the tier keeps serving its other blocks;
 - the destination could not be written (an NVMe write error): that tier is taken out of
-  service and the node keeps serving from the tiers above.
+  service and the node keeps serving from the tiers above;
+- anything else (a block whose metadata a tier cannot record or check): that block alone
+  is dropped, a miss; no tier fails for one block, nor do the other blocks of its batch.
 
 ``allocate_steps`` makes room in a tier by evicting its policy's victims, each demoted
 to the next usable tier down or dropped from the lowest; it waits (yields, see
@@ -40,7 +42,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from kvstore.errors import CorruptBlock, InvalidArgument, TierUnavailable
+from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, TierUnavailable
 from kvstore.events import BlockMoved, EventQueue, RemovalReason
 from kvstore.tier_kind import TierKind
 from kvstore.tiers.base import BlockMeta
@@ -114,7 +116,11 @@ class Mover:
         residency = self._residency
         residency.hold(entry)
         residency.set_moving(entry, True)
-        future = self._transfer(entry.tier, entry.slot, dst, dst_slot, block_meta(entry))
+        try:
+            future = self._transfer(entry.tier, entry.slot, dst, dst_slot, block_meta(entry))
+        except Exception as exc:  # refused before any I/O: the move's outcome, applied by finish like any other
+            future = Future()
+            future.set_exception(exc)
         move = Move(entry, entry.tier, entry.slot, dst, dst_slot, future)
         self._in_flight[entry] = move
         if not future.done():
@@ -187,8 +193,8 @@ class Mover:
             # no tier named: the side that does I/O (memory copies do not fail this way)
             failed = move.dst if not isinstance(self._stack[move.dst], MemoryTier) else move.src
         else:
-            logger.error("moving a block from %s to %s failed unexpectedly", move.src.value, move.dst.value, exc_info=error)
-            failed = move.dst
+            self._drop_unmovable(move, error)
+            return
         if failed is move.src:
             # this block could not be read back: it is lost and its slot is never reused;
             # the tier's other blocks keep serving
@@ -198,6 +204,31 @@ class Mover:
                 residency.drop(entry, RemovalReason.TIER_FAILED, free_slot=False)
         else:
             self._fail_tier(failed)
+
+    def _drop_unmovable(self, move: Move, error: BaseException) -> None:
+        """A move that failed for no I/O reason failed for this block's own sake (metadata
+        a tier cannot record or check): the block alone is lost, as a doubtful block is a
+        miss; both tiers and the other blocks moving with it go on."""
+        entry = move.entry
+        if isinstance(error, KVStoreError):
+            logger.warning(
+                "Block %s could not move from %s to %s and is dropped (a miss): %s",
+                entry.key[1].hex(),
+                move.src.value,
+                move.dst.value,
+                error,
+            )
+        else:
+            logger.error(
+                "Block %s could not move from %s to %s and is dropped (a miss)",
+                entry.key[1].hex(),
+                move.src.value,
+                move.dst.value,
+                exc_info=error,
+            )
+        self._counters[f"unmovable_{move.src.value}"] += 1
+        if self._residency.is_cached(entry):
+            self._residency.drop(entry, RemovalReason.CORRUPT)
 
     # -- room -----------------------------------------------------------------------------
     def allocate_steps(self, kind: TierKind, nbytes: int, count: int) -> Steps[list[Slot]]:
@@ -357,7 +388,7 @@ class Mover:
             return 0
         residency = self._residency
         lowest = usable[-1]
-        moved = 0
+        moved = dropped = 0
         for kind in usable[:-1]:
             entries = [e for e in residency.catalogue if e.tier == kind and e.evictable and e not in self._in_flight]
             for start in range(0, len(entries), batch):
@@ -370,9 +401,23 @@ class Mover:
                     if moves:
                         yield [move.future for move in moves if not move.future.done()]
                     moved += sum(self.finish(move) for move in moves)
+                    dropped += sum(not residency.is_cached(move.entry) for move in moves)
                 finally:
                     for entry in chunk:
                         residency.unhold(entry)
+        left = sum(1 for e in residency.catalogue if e.tier in usable[:-1])
+        if dropped or left:
+            logger.warning(
+                "%d blocks could not be persisted and will be misses after restart: %d were dropped as they moved "
+                "(unreadable, changed since committed, or with metadata %s cannot record), %d stayed in memory "
+                "(no room in %s, held by a reader, or %s failed).",
+                dropped + left,
+                dropped,
+                lowest.value,
+                left,
+                lowest.value,
+                lowest.value,
+            )
         return moved
 
     # -- internals ----------------------------------------------------------------------

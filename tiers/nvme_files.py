@@ -18,7 +18,9 @@ returned, and any such call serves every caller waiting for it, so concurrent wr
 share one sync instead of queueing one each.
 
 The first slot file carries an exclusive ``flock`` while the files are open: one daemon
-per directory (see ``kvstore clean``).
+per directory (see ``kvstore clean``). The directory is 0700 and the files 0600, also in
+the daemon's group mode (engines never read them), and an older run's looser modes are
+tightened at open: the files hold every tenant's KV.
 
 Owner: the NVMe tier. Every method but ``close`` may run on several threads at once.
 """
@@ -30,6 +32,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import threading
 from pathlib import Path
 
@@ -43,6 +46,9 @@ __all__ = ["SlotFiles", "IO_ALIGN"]
 logger = logging.getLogger(__name__)
 
 IO_ALIGN = 4096
+# slot files hold every tenant's KV: the daemon's user alone reads them
+DIRECTORY_MODE = 0o700
+FILE_MODE = 0o600
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -144,7 +150,7 @@ class SlotFiles:
 
     # -- opening --------------------------------------------------------------------
     def _open(self, num_wanted: int) -> int:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self._make_private()
         pages_per_file = self.file_bytes // self.page_bytes
         num_pages = 0
         while num_pages < num_wanted:
@@ -152,8 +158,9 @@ class SlotFiles:
             num_here = min(pages_per_file, num_wanted - num_pages)
             # preallocate through a buffered descriptor: glibc's fallback for filesystems
             # without fallocate writes single bytes, which O_DIRECT refuses
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
             try:
+                os.fchmod(fd, FILE_MODE)  # a file an older run left readable to others
                 num_fitted = self._preallocate(fd, num_here)
             finally:
                 os.close(fd)
@@ -168,6 +175,19 @@ class SlotFiles:
             if num_fitted < num_here:
                 break
         return num_pages
+
+    def _make_private(self) -> None:
+        """Create the directory 0700, or tighten one an older run left open to others. Only the
+        daemon reads its slot files: engines get their KV through the host slab."""
+        self.directory.mkdir(parents=True, exist_ok=True, mode=DIRECTORY_MODE)
+        info = self.directory.stat()
+        if info.st_uid != os.geteuid() and os.geteuid() != 0:
+            raise TierUnavailable(
+                f"the NVMe directory {self.directory} is owned by uid {info.st_uid}, not by uid {os.geteuid()} who runs the daemon; "
+                "give the daemon a directory of its own (nvme.directory)."
+            )
+        if stat.S_IMODE(info.st_mode) != DIRECTORY_MODE:
+            os.chmod(self.directory, DIRECTORY_MODE)
 
     def _lock_directory(self, fd: int) -> None:
         """Hold an exclusive ``flock`` on the first slot file for this tier's whole life:

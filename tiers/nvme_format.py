@@ -54,6 +54,7 @@ import numpy as np
 import xxhash
 import zstandard
 
+from kvstore.errors import InvalidArgument
 from kvstore.hashing import HASH_BYTES, BlockHash
 from kvstore.tiers.base import BlockMeta
 
@@ -131,8 +132,13 @@ class PageHeader(NamedTuple):
 
 
 def encode_slot_trailer(trailer: SlotTrailer, out: memoryview) -> None:
-    """Write ``trailer`` into the first bytes of ``out`` and zero the rest of it."""
+    """Write ``trailer`` into the first bytes of ``out`` and zero the rest of it. A hash of
+    another length than HASH_BYTES is refused (InvalidArgument): struct would pad or cut
+    it silently, and the record would name another block."""
     meta = trailer.meta
+    for name, value in (("namespace", meta.namespace), ("block_hash", meta.block_hash), ("parent_hash", meta.parent_hash)):
+        if value is not None and len(value) != HASH_BYTES:
+            raise InvalidArgument(f"a slot trailer's {name} must be {HASH_BYTES} bytes, got {len(value)}; the block is not recorded.")
     flags = trailer.flags | (FLAG_NO_PARENT if meta.parent_hash is None else 0)
     record = _SLOT.pack(
         _SLOT_MAGIC,

@@ -176,6 +176,14 @@ class Reservations:
             raise NotFound(f"reservation {reservation_id} does not exist; it was committed, aborted or never made.")
         self._release_slots(reservation, reservation.blocks)
 
+    def abort_all(self, kind: TierKind) -> int:
+        """Abort every open reservation in ``kind`` (its memory was replaced: what their
+        writers copy now lands in no block); returns how many."""
+        ids = [reservation.id for reservation in self._open.values() if reservation.tier is kind]
+        for reservation_id in ids:
+            self.abort(reservation_id)
+        return len(ids)
+
     def release_expired(self, reservation_id: int) -> bool:
         """Free the quarantined slots of an expired reservation whose writer is gone."""
         reservation = self._expired.pop(reservation_id, None)

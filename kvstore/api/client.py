@@ -1,10 +1,12 @@
 """A blocking client of a daemon's kvstore.v1 API, for the CLI and tools.
 
-    with connect("127.0.0.1:50551", token=os.environ.get("KVSTORE_TOKEN")) as client:
+    with connect("127.0.0.1:50551") as client:
         stats = client.admin.Stats(pb.StatsRequest())
 
-The stubs are the generated ones; every call carries the bearer token (when one is
-given) and a default deadline, and a failed call raises ``ApiError`` — a KVStoreError
+The stubs are the generated ones; every call carries the bearer token and a default
+deadline. Without a token given, it is ``$KVSTORE_TOKEN``, else, for a daemon on this
+host, the one a daemon of this user generated (kvstore/paths.py: ``token_for``);
+``token=""`` sends none, and a failed call raises ``ApiError`` — a KVStoreError
 whose message is the server's sentence — instead of ``grpc.RpcError``.
 """
 
@@ -20,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore.api.auth import bearer_metadata
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import KVStoreError
+from kvstore.paths import token_for
 
 __all__ = ["ApiError", "Client", "connect", "MAX_MESSAGE_BYTES"]
 
@@ -40,6 +43,8 @@ def connect(address: str, token: str | None = None, timeout: float = 10.0) -> Cl
     unreachable daemon shows as an ApiError with code UNAVAILABLE on the first call."""
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}.")
+    if token is None:
+        token = token_for(address)
     channel = grpc.insecure_channel(
         address,
         options=[

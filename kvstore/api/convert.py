@@ -275,6 +275,7 @@ def stats_response(stats: NodeStats) -> pb.StatsResponse:
         num_reservations=stats.num_reservations,
         num_sessions=stats.num_sessions,
         counters=stats.counters,
+        problems=list(stats.problems),
     )
 
 

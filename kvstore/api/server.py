@@ -42,14 +42,21 @@ def message_limit_bytes(limits: Limits) -> int:
 
 
 class _Health(health.aio.HealthServicer):
-    """The standard async health servicer, with kvstore's services SERVING from the start."""
+    """The standard async health servicer, with kvstore's services SERVING from the start,
+    and every service NOT_SERVING while the node names a problem (``Node.problems``)."""
 
-    def __init__(self, services: tuple[str, ...]) -> None:
+    def __init__(self, services: tuple[str, ...], node: Node) -> None:
         super().__init__()
+        self._node = node
         # the public setter is a coroutine and this is built synchronously; before the
         # server starts no Watch can be waiting, so filling the table is all `set` would do
         for service in services:
             self._server_status[service] = health_pb2.HealthCheckResponse.SERVING
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
+        if self._node.problems and request.service in self._server_status:
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return await super().Check(request, context)
 
 
 def _add_service(server: grpc.aio.Server, name: str, servicer: object) -> None:
@@ -106,7 +113,7 @@ def create_grpc_server(
     _add_service(server, "Store", StoreServicer(node))
     _add_service(server, "Index", IndexServicer(node, router))
     _add_service(server, "Admin", AdminServicer(node, router, transfers, more_counters))
-    health_pb2_grpc.add_HealthServicer_to_server(_Health(KVSTORE_SERVICES), server)
+    health_pb2_grpc.add_HealthServicer_to_server(_Health(KVSTORE_SERVICES, node), server)
     reflection.enable_server_reflection((*KVSTORE_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
         port = server.add_insecure_port(config.grpc_address)

@@ -337,6 +337,7 @@ class StatsResponse(_message.Message):
         "num_reservations",
         "num_sessions",
         "counters",
+        "problems",
     )
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
@@ -356,6 +357,7 @@ class StatsResponse(_message.Message):
     NUM_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -366,6 +368,7 @@ class StatsResponse(_message.Message):
     num_reservations: int
     num_sessions: int
     counters: _containers.ScalarMap[str, int]
+    problems: _containers.RepeatedScalarFieldContainer[str]
     def __init__(
         self,
         node_id: str | None = ...,
@@ -378,6 +381,7 @@ class StatsResponse(_message.Message):
         num_reservations: int | None = ...,
         num_sessions: int | None = ...,
         counters: _Mapping[str, int] | None = ...,
+        problems: _Iterable[str] | None = ...,
     ) -> None: ...
 
 class BlockInfo(_message.Message):
@@ -443,10 +447,7 @@ class ListBlocksResponse(_message.Message):
     next_page_token: str
     total: int
     def __init__(
-        self,
-        blocks: _Iterable[BlockInfo | _Mapping] | None = ...,
-        next_page_token: str | None = ...,
-        total: int | None = ...,
+        self, blocks: _Iterable[BlockInfo | _Mapping] | None = ..., next_page_token: str | None = ..., total: int | None = ...
     ) -> None: ...
 
 class EvictRequest(_message.Message):

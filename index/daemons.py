@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from kvstore.hashing import BlockHash
 from kvstore.index.base import Index, NodeInfo, NodeMatch
 from kvstore.index.scoring import replica_of
 from kvstore.node import Limits
+from kvstore.paths import generated_token, is_loopback
 from kvstore.tier_kind import TierKind
 
 __all__ = ["MAX_ASKED_BLOCKS", "RETRY_AFTER_S", "DaemonAddress", "DaemonsIndex"]
@@ -58,7 +60,8 @@ RETRY_AFTER_S = 1.0  # a daemon that let its deadline pass is asked again after 
 class DaemonAddress:
     node_id: str  # the replica's node id: its daemon's server.node_id
     address: str  # host:port of the daemon's gRPC API
-    token: str = ""  # the daemon's server.auth_token, when it has one
+    # the daemon's server.auth_token; "": $KVSTORE_TOKEN, else (loopback only) the one a daemon of this user generated
+    token: str = ""
 
 
 class DaemonsIndex(Index):
@@ -75,6 +78,7 @@ class DaemonsIndex(Index):
         self._silent: set[str] = set()  # node ids whose daemon's last call failed (logged once)
         self._clock = clock
         self._asked_after: dict[str, float] = {}  # node id -> when its daemon, past its deadline, is asked again
+        self._local_token: str | None = None  # read once; again after a daemon refuses it (a daemon may write it later)
 
     async def register(self, node: NodeInfo, lease_ttl_s: float) -> bool:
         raise InvalidArgument(_READ_ONLY)
@@ -138,12 +142,15 @@ class DaemonsIndex(Index):
         if self._clock() < self._asked_after.get(daemon.node_id, 0.0):
             return None
         stub = pb_grpc.IndexStub(self._channel(daemon.address))
-        metadata = bearer_metadata(daemon.token) if daemon.token else ()
+        token = daemon.token or os.environ.get("KVSTORE_TOKEN") or (self._generated_token() if is_loopback(daemon.address) else "")
+        metadata = bearer_metadata(token) if token else ()
         try:
             response = await rpc(stub)(request, timeout=self._timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:  # it answered: it has never seen the namespace
                 return None
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                self._local_token = None
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 self._asked_after[daemon.node_id] = self._clock() + RETRY_AFTER_S
             if daemon.node_id not in self._silent:
@@ -161,6 +168,12 @@ class DaemonsIndex(Index):
             self._silent.discard(daemon.node_id)
             logger.info("kvstore router: the daemon of %s at %s answers again.", daemon.node_id, daemon.address)
         return response
+
+    def _generated_token(self) -> str:
+        """The token a daemon of this user generated; only a daemon on this host is sent it."""
+        if not self._local_token:
+            self._local_token = generated_token()
+        return self._local_token
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)

@@ -20,11 +20,20 @@ engines on this host (``[[engines]]``, kvstore/engines_config.py). Sizes accept 
 
     [manager]
     eviction_policy = "leaf-first-lru"
+
+    [index]
+    backend = "rediss://redis.internal:6380/0"
+    tls_ca = "/etc/kvstore/redis-ca.pem"      # the CA that signed Redis's certificate
+    tls_cert = "/etc/kvstore/node.pem"         # where Redis demands client certificates
+    tls_key = "/etc/kvstore/node.key"
+    username = "kvstore"                       # a Redis ACL user
+    # password: KVSTORE_INDEX_PASSWORD
 """
 
 from __future__ import annotations
 
 import dataclasses
+import grp
 import os
 import re
 import shutil
@@ -38,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from kvstore.errors import InvalidArgument
-from kvstore.paths import default_cache_dir, default_socket_path
+from kvstore.paths import default_cache_dir, default_socket_path, default_token_path
 from kvstore.tiers.host import HostTierConfig
 from kvstore.tiers.manager import TierManagerConfig
 from kvstore.tiers.nvme import NvmeTierConfig
@@ -62,6 +71,7 @@ __all__ = [
     "read_toml",
     "parse_size",
     "parse_overrides",
+    "index_config_for",
 ]
 
 GiB = 1024**3
@@ -97,11 +107,17 @@ class ConfigError(InvalidArgument):
 class ServerConfig:
     socket_path: Path = field(default_factory=lambda: default_socket_path())
     socket_mode: int = 0o600
+    # with socket_mode 0o660: the group that may connect and map the host slab (a name or a
+    # number; "" is the daemon's primary group); the socket, its state file and the slab get it
+    socket_group: str = ""
     grpc_host: str = "127.0.0.1"
     grpc_port: int = 50551  # 0 picks a free port (written to the state file)
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9551  # 0 picks a free port, -1 disables the endpoint
     auth_token: str = ""
+    # where the daemon keeps the token it generates when auth_token is empty (0600); local
+    # clients of the same user read it from there (kvstore/paths.py)
+    auth_token_file: Path = field(default_factory=lambda: default_token_path())
     node_id: str = field(default_factory=socket.gethostname)
     drain_timeout_s: float = 10.0
     # engines' clients check every loaded block against its writer's checksum (a hash pass
@@ -127,6 +143,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.socket_mode not in (0o600, 0o660):
             raise ConfigError(f"server.socket_mode must be 0o600 or 0o660, got {oct(self.socket_mode)}.")
+        if self.socket_group and self.socket_mode != 0o660:
+            raise ConfigError("server.socket_group applies only in group mode; set server.socket_mode = 0o660 as well, or leave it empty.")
+        self.socket_gid  # noqa: B018 (an unknown group is a ConfigError at load, not at start)
         if not 0 <= self.grpc_port <= 65535:
             raise ConfigError(f"server.grpc_port must lie in [0, 65535], got {self.grpc_port}.")
         if not -1 <= self.metrics_port <= 65535:
@@ -148,6 +167,28 @@ class ServerConfig:
             raise ConfigError(f"server.event_loop must be 'auto', 'uvloop' or 'asyncio', got {self.event_loop!r}.")
 
     @property
+    def socket_gid(self) -> int | None:
+        """The group of the socket, its state file and the slab in group mode; None in private mode."""
+        if self.socket_mode != 0o660:
+            return None
+        if not self.socket_group:
+            return os.getegid()
+        if self.socket_group.isdigit():
+            gid = int(self.socket_group)
+        else:
+            try:
+                gid = grp.getgrnam(self.socket_group).gr_gid
+            except KeyError:
+                raise ConfigError(
+                    f"server.socket_group names no group of this host: {self.socket_group!r}; give a group name or number."
+                ) from None
+        if os.geteuid() != 0 and gid not in {os.getegid(), *os.getgroups()}:
+            raise ConfigError(
+                f"server.socket_group is {self.socket_group!r}, a group the daemon's user is not in; add the user to it first."
+            )
+        return gid
+
+    @property
     def grpc_address(self) -> str:
         return f"{self.grpc_host}:{self.grpc_port}"
 
@@ -161,10 +202,22 @@ class IndexConfig:
     heartbeat_interval_s: float = 3.0
     publish_interval_s: float = 0.1  # block events are sent in batches at most this stale
     max_batch_events: int = 10_000
+    # Who Redis is and who we are to it (rediss:// only): the CA that signed its certificate,
+    # and this node's certificate and key where Redis demands one (tls-auth-clients).
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    # a Redis ACL user; the password is best given as KVSTORE_INDEX_PASSWORD, never on a command line
+    username: str = ""
+    password: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
-        if self.backend != "embedded" and not self.backend.startswith(("redis://", "rediss://", "redis+cluster://")):
-            raise ConfigError(f'index.backend must be "embedded" or a redis://, rediss:// or redis+cluster:// URL, got {self.backend!r}.')
+        if self.backend != "embedded" and not self.backend.startswith(("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")):
+            raise ConfigError(
+                'index.backend must be "embedded" or a redis://, rediss://, redis+cluster:// or rediss+cluster:// URL, '
+                f"got {_redacted(self.backend)!r}."
+            )
+        self._check_access()
         if self.lease_ttl_s <= 0 or not 0 < self.heartbeat_interval_s < self.lease_ttl_s:
             raise ConfigError(
                 f"index.heartbeat_interval_s ({self.heartbeat_interval_s}) must be positive and shorter than "
@@ -172,6 +225,27 @@ class IndexConfig:
             )
         if self.publish_interval_s <= 0 or self.max_batch_events <= 0:
             raise ConfigError("index.publish_interval_s and index.max_batch_events must be positive.")
+
+    def _check_access(self) -> None:
+        tls_files = {"tls_ca": self.tls_ca, "tls_cert": self.tls_cert, "tls_key": self.tls_key}
+        given = [name for name, path in tls_files.items() if path is not None]
+        if given and not self.backend.startswith("rediss"):
+            raise ConfigError(f"index.{given[0]} is set, but index.backend is not a rediss:// URL: TLS settings need a rediss:// backend.")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("index.tls_cert and index.tls_key go together: give both (a client certificate and its key) or neither.")
+        for name in given:
+            path = tls_files[name]
+            if not os.access(path, os.R_OK) or not Path(path).is_file():
+                raise ConfigError(f"index.{name} = {str(path)!r} cannot be read: give the path of a readable PEM file.")
+        if (self.username or self.password) and self.backend == "embedded":
+            raise ConfigError("index.username and index.password are for a Redis backend; the embedded index has no users.")
+        if self.username and not self.password:
+            raise ConfigError(f"index.username is {self.username!r} but index.password is empty: set KVSTORE_INDEX_PASSWORD.")
+        userinfo = self.backend.partition("://")[2].partition("/")[0].rpartition("@")[0]
+        if userinfo and (self.username or self.password):
+            raise ConfigError(
+                "index.username or index.password is set and the index.backend URL carries credentials too: give them in one place."
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +289,13 @@ class DaemonConfig:
     routing: RoutingConfig = RoutingConfig()
     transport: TransportConfig = TransportConfig()
     engines: tuple[EngineConfig, ...] = ()  # whose KV events the daemon subscribes to
+
+
+def _redacted(url: str) -> str:
+    """``url`` with the password of its user part, if any, left out."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}{userinfo.partition(':')[0]}:…@{host}" if at and ":" in userinfo else url
 
 
 def parse_size(value: Any, name: str) -> int:
@@ -342,6 +423,19 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
             raise ConfigError(f"environment variable {key}: unknown section {section!r}; known: {', '.join(_SECTIONS)}.")
         found[section][name] = value
     return {s: v for s, v in found.items() if v}
+
+
+INDEX_ACCESS_FIELDS = ("tls_ca", "tls_cert", "tls_key", "username", "password")
+
+
+def index_config_for(backend: str, environ: Mapping[str, str] | None = None) -> IndexConfig:
+    """The index config of a process that reads the index without a daemon's config (the
+    router): ``backend`` with the TLS files and credentials a daemon would take from its
+    environment (``KVSTORE_INDEX_TLS_CA``, ``…_TLS_CERT``, ``…_TLS_KEY``, ``…_USERNAME``,
+    ``…_PASSWORD``)."""
+    found = _from_env(os.environ if environ is None else environ).get("index", {})
+    access = {name: _coerce("index", name, found[name]) for name in INDEX_ACCESS_FIELDS if name in found}
+    return IndexConfig(backend=backend, **access)
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, dict[str, Any]]:

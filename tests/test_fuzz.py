@@ -47,6 +47,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvstore.errors as errors
+from kvstore.api.auth import bearer_metadata
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.client import KVStoreClient
@@ -66,6 +67,7 @@ from kvstore.localproto import (
     pack_hashes,
 )
 from kvstore.namespace import Namespace
+from kvstore.paths import token_for
 
 pytestmark = pytest.mark.slow
 
@@ -178,9 +180,14 @@ def served(daemon):
     assert_nothing_leaked(daemon, log_start)
 
 
+def credentials(daemon) -> tuple[tuple[str, str], ...]:
+    """The bearer token the daemon generated at start (its gRPC is never open without one)."""
+    return bearer_metadata(token_for(daemon.address))
+
+
 def stats(daemon) -> pb.StatsResponse:
     with grpc.insecure_channel(daemon.address) as channel:
-        return pb_grpc.AdminStub(channel).Stats(pb.StatsRequest(), timeout=10)
+        return pb_grpc.AdminStub(channel).Stats(pb.StatsRequest(), timeout=10, metadata=credentials(daemon))
 
 
 def log_text(daemon) -> str:
@@ -974,10 +981,10 @@ def check_status(code: grpc.StatusCode, details: str, what: str) -> None:
         assert details and len(details) <= 1024, f"{what} was answered {code.name} with the sentence {details!r}"
 
 
-def call_rpc(channel: grpc.Channel, service: str, method: str, request) -> grpc.StatusCode:
+def call_rpc(channel: grpc.Channel, service: str, method: str, request, metadata=()) -> grpc.StatusCode:
     stub = getattr(pb_grpc, f"{service}Stub")(channel)
     try:
-        getattr(stub, method)(request, timeout=REPLY_TIMEOUT_S)
+        getattr(stub, method)(request, timeout=REPLY_TIMEOUT_S, metadata=metadata)
     except grpc.RpcError as exc:
         check_status(exc.code(), exc.details(), f"{service}.{method}")
         return exc.code()
@@ -993,7 +1000,7 @@ def test_grpc_requests_with_random_fields_get_a_status_naming_the_callers_mistak
         @given(call=grpc_requests())
         def fuzz(call):
             (service, method), request = call
-            code = call_rpc(channel, service, method, request)
+            code = call_rpc(channel, service, method, request, credentials(daemon))
             codes.setdefault(method, set()).add(code.name)
             if method == "ListBlocks" and request.page_token and not (request.page_token.isascii() and request.page_token.isdigit()):
                 assert code != grpc.StatusCode.OK, f"page token {request.page_token!r} is none this node issues"
@@ -1011,13 +1018,17 @@ def test_grpc_requests_with_random_fields_get_a_status_naming_the_callers_mistak
             ("Admin", "Warm", pb.WarmRequest(source_node_ids=["x" * 1025])),
         ]
         for service, method, request in edges:
-            assert call_rpc(channel, service, method, request) == grpc.StatusCode.INVALID_ARGUMENT, (service, method)
+            assert call_rpc(channel, service, method, request, credentials(daemon)) == grpc.StatusCode.INVALID_ARGUMENT, (service, method)
         for request in (pb.DrainRequest(target_node_ids=many_peers), pb.WarmRequest(source_node_ids=many_peers)):
-            assert call_rpc(channel, "Admin", type(request).__name__[:-7], request) == grpc.StatusCode.NOT_FOUND  # no such peer
+            method = type(request).__name__[:-7]
+            assert call_rpc(channel, "Admin", method, request, credentials(daemon)) == grpc.StatusCode.NOT_FOUND  # no such peer
         too_big = pb.PutRequest(namespace_id=NAMESPACE.digest, block_hashes=NEW_HASHES[:1], payloads=[bytes(96 << 20)])
-        assert call_rpc(channel, "Store", "Put", too_big) == grpc.StatusCode.RESOURCE_EXHAUSTED  # over gRPC's message limit
+        assert (
+            call_rpc(channel, "Store", "Put", too_big, credentials(daemon)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        )  # over gRPC's message limit
         with grpc.insecure_channel(daemon.address) as plain:
-            pb_grpc.AdminStub(plain).Unpin(pb.UnpinRequest(namespace_id=NAMESPACE.digest, block_hashes=FUZZ_HASHES + NEW_HASHES))
+            unpin = pb.UnpinRequest(namespace_id=NAMESPACE.digest, block_hashes=FUZZ_HASHES + NEW_HASHES)
+            pb_grpc.AdminStub(plain).Unpin(unpin, metadata=credentials(daemon))
     print(sorted(codes.items()))
     assert {"OK", "INVALID_ARGUMENT", "NOT_FOUND"} <= set().union(*codes.values()), codes
 
@@ -1065,11 +1076,12 @@ def test_grpc_requests_of_malformed_bytes_are_refused_as_invalid(served):
             service, method, data = call
             rpc = channel.unary_unary(f"/kvstore.v1.{service}/{method}")  # bytes in, bytes out
             try:
-                rpc(data, timeout=REPLY_TIMEOUT_S)
+                rpc(data, timeout=REPLY_TIMEOUT_S, metadata=credentials(daemon))
             except grpc.RpcError as exc:
                 check_status(exc.code(), exc.details(), f"{service}.{method} of {len(data)} bytes")
             served.every(200)
 
         fuzz()
         with grpc.insecure_channel(daemon.address) as plain:
-            pb_grpc.AdminStub(plain).Unpin(pb.UnpinRequest(namespace_id=NAMESPACE.digest, block_hashes=FUZZ_HASHES + NEW_HASHES))
+            unpin = pb.UnpinRequest(namespace_id=NAMESPACE.digest, block_hashes=FUZZ_HASHES + NEW_HASHES)
+            pb_grpc.AdminStub(plain).Unpin(unpin, metadata=credentials(daemon))

@@ -3,6 +3,10 @@
     RedisIndex(url)  url: redis://[user:pass@]host:port[/db], rediss://… (TLS),
                      redis+cluster://host:port, rediss+cluster://…, or any of the
                      first two with cluster=True (a seed node of a Redis Cluster).
+    access=RedisAccess(tls_ca, tls_cert, tls_key, username, password)
+                     whom to trust and who we are: over rediss:// the server's
+                     certificate and host name are always checked; `check_access`
+                     tells refused settings (credentials, certificates) from an outage.
 
 Keys and scripts are described in index/redis_scripts.py. Sharding: every key a match
 touches carries the namespace's hash tag, so one namespace (one model, layout and shard
@@ -34,10 +38,15 @@ Owner: one asyncio event loop; not thread-safe.
 
 from __future__ import annotations
 
+import asyncio
 import math
+import ssl
 import time
+import urllib.parse
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
@@ -53,33 +62,106 @@ from kvstore.index.base import MAX_CHAIN_BLOCKS, Index, NodeInfo, NodeMatch, Ses
 from kvstore.index.redis_scripts import RedisBoundary, RedisClient
 from kvstore.tier_kind import TierKind
 
-__all__ = ["RedisIndex", "RedisSessionStore", "connect"]
+__all__ = ["RedisAccess", "RedisIndex", "RedisSessionStore", "connect", "tls_refusal"]
 
 MAX_HASHES_PER_CALL = 8192  # bounds how long one APPLY script holds the Redis shard
 MAX_NODE_ID_CHARS = 256
+TLS_VERDICT_S = 1.0  # how long a handshake must stand before Redis counts as accepting it
 _TIER_BY_RANK = {tier.rank: tier for tier in TierKind}
 
 
-def connect(url: str, *, cluster: bool = False, timeout_s: float = 2.0, retries: int = 3) -> RedisClient:
+@dataclass(frozen=True, slots=True)
+class RedisAccess:
+    """How this process knows it talks to Redis, and proves who it is: the CA that signed
+    the server's certificate and a client certificate (rediss:// only: the certificate and
+    the host name are always checked), and a Redis ACL user. Credentials in the URL work
+    too; these keep them out of it."""
+
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    username: str = ""
+    password: str = field(default="", repr=False)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The TLS settings of ``options``, for a handshake of our own (`tls_refusal`)."""
+        context = ssl.create_default_context(cafile=None if self.tls_ca is None else str(self.tls_ca))
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self.tls_cert is not None:
+            context.load_cert_chain(str(self.tls_cert), None if self.tls_key is None else str(self.tls_key))
+        return context
+
+    def options(self, url: str) -> dict[str, Any]:
+        """redis-py's connection options for ``url`` (already stripped of ``+cluster``)."""
+        options: dict[str, Any] = {}
+        if self.username:
+            options["username"] = self.username
+        if self.password:
+            options["password"] = self.password
+        tls_files = (self.tls_ca, self.tls_cert, self.tls_key)
+        if not url.startswith("rediss://"):
+            if any(path is not None for path in tls_files):
+                raise InvalidArgument("TLS files are given for a plain redis:// index URL; use rediss:// to speak TLS to Redis.")
+            return options
+        options.update(ssl_cert_reqs="required", ssl_check_hostname=True, ssl_min_version=ssl.TLSVersion.TLSv1_2)
+        if self.tls_ca is not None:
+            options["ssl_ca_certs"] = str(self.tls_ca)
+        if self.tls_cert is not None:
+            options["ssl_certfile"], options["ssl_keyfile"] = str(self.tls_cert), str(self.tls_key)
+        return options
+
+
+def connect(
+    url: str, *, cluster: bool = False, timeout_s: float = 2.0, retries: int = 3, access: RedisAccess = RedisAccess()
+) -> RedisClient:
     """A client for ``url`` whose calls fail within a few seconds when Redis is down:
     ``retries`` reconnects, 50 ms doubling to 1 s apart, each bounded by ``timeout_s``."""
     for scheme in ("redis+cluster://", "rediss+cluster://"):
         if url.startswith(scheme):
             url, cluster = url.replace("+cluster", "", 1), True
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise InvalidArgument(f"a Redis index URL starts with redis://, rediss:// or redis+cluster://, got {url!r}.")
+        raise InvalidArgument(f"a Redis index URL starts with redis://, rediss:// or redis+cluster://, got {_redacted(url)!r}.")
     if timeout_s <= 0 or retries < 0:
         raise InvalidArgument(f"timeout_s must be positive and retries not negative, got {timeout_s} and {retries}.")
     retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries)
+    options = access.options(url)
     if cluster:
-        return RedisCluster.from_url(url, retry=retry, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-    return aioredis.Redis.from_url(url, retry=retry, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        return RedisCluster.from_url(url, retry=retry, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **options)
+    return aioredis.Redis.from_url(url, retry=retry, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **options)
 
 
-def _boundary(url: str, client: RedisClient | None, cluster: bool, timeout_s: float, retries: int) -> RedisBoundary:
+async def tls_refusal(url: str, access: RedisAccess) -> ssl.SSLError | None:
+    """The TLS alert with which the Redis at ``url`` (rediss://) refuses this process's
+    certificate, or the reason this side does not trust Redis's; None when the handshake
+    stands for TLS_VERDICT_S or the server cannot be reached. Nothing is sent after the
+    handshake, so a server that refuses the certificate has no unread bytes and closes
+    cleanly, and its alert cannot be lost to a reset (as it can under a command's reply)."""
+    where = urllib.parse.urlsplit(url.replace("+cluster", "", 1))
+    try:
+        context = access.ssl_context()
+        async with asyncio.timeout(TLS_VERDICT_S):
+            reader, writer = await asyncio.open_connection(where.hostname, where.port or 6379, ssl=context)
+            try:
+                await reader.read(1)  # Redis speaks only when spoken to: a refusal is all that can arrive
+            finally:
+                writer.close()
+    except ssl.SSLError as exc:
+        return exc
+    except (OSError, TimeoutError):
+        return None
+    return None
+
+
+def _boundary(url: str, client: RedisClient | None, cluster: bool, timeout_s: float, retries: int, access: RedisAccess) -> RedisBoundary:
     if client is not None:
         return RedisBoundary(client, url, owns_client=False)
-    return RedisBoundary(connect(url, cluster=cluster, timeout_s=timeout_s, retries=retries), url, owns_client=True)
+    return RedisBoundary(connect(url, cluster=cluster, timeout_s=timeout_s, retries=retries, access=access), url, owns_client=True)
+
+
+def _redacted(url: str) -> str:
+    """``url`` without its user part, which may hold a password."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url.rpartition("@")[2]
 
 
 def _check_prefix(key_prefix: str) -> str:
@@ -123,15 +205,18 @@ class RedisIndex(Index):
         timeout_s: float = 2.0,
         retries: int = 3,
         client: RedisClient | None = None,
+        access: RedisAccess = RedisAccess(),
     ) -> None:
         """``view_ttl_s``: how stale this process's copy of the registry may be (a new node or
         a new epoch shows up within it; an expired lease disappears at its deadline).
         ``forget_after_s``: a node silent that long leaves the registry for good.
-        ``client``: share one connection with a `RedisSessionStore` (not closed here)."""
+        ``client``: share one connection with a `RedisSessionStore` (not closed here).
+        ``access``: TLS files and an ACL user (for a connection this index opens)."""
         if view_ttl_s < 0 or forget_after_s <= 0:
             raise InvalidArgument("view_ttl_s must not be negative and forget_after_s must be positive.")
         self._prefix = _check_prefix(key_prefix)
-        self._redis = _boundary(url, client, cluster, timeout_s, retries)
+        self._redis = _boundary(url, client, cluster, timeout_s, retries, access)
+        self._url, self._access = url, access
         self._view_ttl_s = view_ttl_s
         self._forget_after_ms = int(forget_after_s * 1000)
         self._view: _View | None = None
@@ -153,6 +238,19 @@ class RedisIndex(Index):
     def client(self) -> RedisClient:
         """This index's connection, to share with a `RedisSessionStore`."""
         return self._redis.client
+
+    async def check_access(self) -> None:
+        """Whether Redis accepts this process: InvalidArgument when it refuses its credentials
+        or certificate (or presents one this side does not trust), IndexUnavailable when it
+        cannot be reached. A server that refuses a client certificate may reset the
+        connection under a command before its alert is read; a handshake alone tells."""
+        try:
+            await self._redis.check_access()
+        except IndexUnavailable as exc:
+            refusal = await tls_refusal(self._url, self._access) if self._url.startswith("rediss") else None
+            if refusal is None:
+                raise
+            raise self._redis.tls_refused(refusal) from exc
 
     async def register(self, node: NodeInfo, lease_ttl_s: float) -> bool:
         """Set or renew the node's lease. True when a current lease was renewed; False when
@@ -323,11 +421,12 @@ class RedisSessionStore(SessionStore):
         timeout_s: float = 2.0,
         retries: int = 3,
         client: RedisClient | None = None,
+        access: RedisAccess = RedisAccess(),
     ) -> None:
         if max_moves <= 0:
             raise InvalidArgument(f"max_moves must be positive, got {max_moves}.")
         self._prefix = _check_prefix(key_prefix)
-        self._redis = _boundary(url, client, cluster, timeout_s, retries)
+        self._redis = _boundary(url, client, cluster, timeout_s, retries, access)
         self._max_moves = max_moves
         self._moves_key = f"{key_prefix}:moves"
 

@@ -31,14 +31,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import ssl
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import AuthenticationError, NoScriptError, RedisError
 
-from kvstore.errors import IndexUnavailable
+from kvstore.errors import IndexUnavailable, InvalidArgument
 
 __all__ = ["RedisBoundary", "RedisClient", "REGISTER", "VIEW", "APPLY", "MATCH", "MATCH_STRIDE", "SESSION_PUT", "SESSION_REASSIGN"]
 
@@ -66,6 +67,31 @@ class RedisBoundary:
                 "this node keeps serving its own blocks, and should re-register and re-publish its "
                 "catalogue once Redis answers again."
             ) from exc
+
+    async def check_access(self) -> None:
+        """One PING. Credentials or certificates that Redis refuses, or a server certificate
+        this side does not trust, are InvalidArgument: settings that no retry can fix. A
+        Redis that cannot be reached is IndexUnavailable."""
+        with self.translated("a first contact"):
+            try:
+                await self.command("PING")
+            except AuthenticationError as exc:
+                raise InvalidArgument(
+                    f"the Redis index at {self.where} refused this node's credentials ({exc}); check index.username "
+                    "and index.password (or KVSTORE_INDEX_PASSWORD) against the Redis ACL user."
+                ) from exc
+            except (RedisError, OSError) as exc:
+                handshake = _tls_failure(exc)
+                if handshake is None:
+                    raise  # an outage, not a setting: translated below
+                raise self.tls_refused(handshake) from exc
+
+    def tls_refused(self, handshake: ssl.SSLError) -> InvalidArgument:
+        return InvalidArgument(
+            f"the TLS handshake with the Redis index at {self.where} failed ({handshake}); check that index.tls_ca "
+            "is the CA that signed Redis's certificate, and that index.tls_cert and index.tls_key are a client "
+            "certificate and key of a CA that Redis trusts (its tls-ca-cert-file)."
+        )
 
     async def command(self, *args: Any) -> Any:
         self.num_round_trips += 1
@@ -111,6 +137,16 @@ class RedisBoundary:
 
     def _pipeline(self) -> Any:
         return self.client.pipeline(transaction=False) if isinstance(self.client, aioredis.Redis) else self.client.pipeline()
+
+
+def _tls_failure(exc: BaseException) -> ssl.SSLError | None:
+    """The TLS error under a Redis or OS error, if the handshake is what failed."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 @functools.cache

@@ -54,8 +54,21 @@ class Metrics:
             "kvstore_transfer_blocks", "Blocks moved between daemons, by direction and operation.", ["direction", "op"], registry=r
         )
         self.transfer_bytes = Counter("kvstore_transfer_bytes", "Bytes moved between daemons, by direction.", ["direction"], registry=r)
+        self.peer_refused = Counter(
+            "kvstore_peer_refused_connections",
+            "Peer connections refused before any request: no or wrong credentials (refused), no handshake in time "
+            "(timeout), a broken handshake (failed), or over transport.max_peer_channels[_per_source] (limit).",
+            ["reason"],
+            registry=r,
+        )
         self.transfer_dropped = Counter(
             "kvstore_transfer_dropped_blocks", "Received blocks dropped before storing, by reason.", ["reason"], registry=r
+        )
+        self.index_timeouts = Counter(
+            "kvstore_index_timeouts",
+            "Index lookups given up at their caller's deadline, by operation: the caller got a miss for the remote part.",
+            ["op"],
+            registry=r,
         )
         self.loop_lag = Histogram(
             "kvstore_event_loop_lag_seconds",
@@ -101,8 +114,14 @@ class Metrics:
             self.transfer_blocks.labels(direction, op).inc(num_blocks)
             self.transfer_bytes.labels(direction).inc(num_bytes)
 
+    def refused_peer(self, reason: str) -> None:
+        self.peer_refused.labels(reason).inc()
+
     def dropped(self, reason: str, num_blocks: int = 1) -> None:
         self.transfer_dropped.labels(reason).inc(num_blocks)
+
+    def index_timed_out(self, op: str) -> None:
+        self.index_timeouts.labels(op).inc()
 
     def evicted_explicitly(self, num_blocks: int) -> None:
         self.explicit_evictions.inc(num_blocks)

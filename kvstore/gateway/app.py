@@ -60,7 +60,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvstore.config import IndexConfig
+from kvstore.config import index_config_for
 from kvstore.errors import KVStoreError
 from kvstore.gateway.auth import presented_key, tenant_salt
 from kvstore.gateway.config import DAEMONS_INDEX, RouterConfig
@@ -141,7 +141,7 @@ class Gateway:
 
     def _open_index(self, config: RouterConfig) -> tuple[Index, SessionStore]:
         if config.index != DAEMONS_INDEX:
-            return open_index(IndexConfig(backend=config.index))
+            return open_index(index_config_for(config.index))  # rediss://: the TLS files and ACL user a daemon's variables name
         # the daemons of the replicas listed now: a reload's new list is asked from then on
         return DaemonsIndex(self._daemons, config.daemon_timeout_s), EmbeddedSessionStore()
 

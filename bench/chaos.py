@@ -1,7 +1,7 @@
 """Integrity under faults: the chaos run that counts wrong bytes served, blocks lost and
 slots leaked (all three must be 0).
 
-    python -m bench.chaos [--quick] [--json] [--seconds N] [--seed S] [--keep]
+    python -m bench.chaos [--quick] [--json] [--seconds N] [--seed S] [--keep] [--tls]
 
 Two `kvstore serve` daemons (host tier 16 MiB, NVMe tier 64 MiB: more than host so that
 a clean stop persists everything, and more than the whole working set; the host tier
@@ -12,6 +12,16 @@ overlapping growing-prefix chains whose bytes are a function of their keys
 what b misses from daemon a through a proxy that flips bytes on request
 (bench/chaos_faults.py); daemon a's engines fetch from b through the index. An operator
 evicts random chain tails now and then, so remote fetches keep happening.
+
+The daemons authenticate their peers (a fleet secret in a 0600 file; with --tls, mutual
+TLS too, certificates from trustme), and an attacker process (bench/chaos_attacker.py)
+without the credential spends the whole run against both peer ports: stores of its own
+bytes under the engines' chain hashes and under a chain of its own, fetches and hot-chain
+requests, handshakes with a wrong secret, oversized first frames, silent connections and
+floods of connections. Every byte of a request it got served is counted (must be 0), and
+so is every block it planted (must be 0): a block of its chain listed by a daemon (before
+each clean restart and at the end), or a block the engines or the final check loaded
+holding its bytes. The daemons' refused-connection counters are reported beside.
 
 Meanwhile faults are injected at random (exponential gaps; each kind once first, in a
 random order, then by weight):
@@ -34,7 +44,7 @@ nothing else drops blocks meanwhile). Then injection stops, every process is con
 the engines finish and exit, and bench/chaos_audit.py checks leaked slots, lost blocks
 (one more clean restart of each daemon) and the bytes of every block that survived. Before the run the checker itself is checked
 on a block damaged where kvstore does not verify (the host slab). A nonzero figure is a
-finding: the run prints where to look (engine stats lines, daemon logs).
+finding: the run prints where to look (engine stats lines, daemon logs), and exits 1.
 """
 
 from __future__ import annotations
@@ -45,14 +55,16 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.chaos_audit import checker_self_test, list_blocks, slot_audit, stats, verify_blocks
+from bench.chaos_attacker import attacker_chain
+from bench.chaos_audit import RefusalTally, checker_self_test, list_blocks, slot_audit, stats, verify_blocks
 from bench.chaos_faults import FlipProxy, corrupt_nvme_slot
-from bench.chaos_procs import ChaosDaemon, EngineProcess, free_port
+from bench.chaos_procs import AttackerProcess, ChaosDaemon, EngineProcess, FleetCredentials, free_port
 from bench.chaos_report import print_result, summarize
 from bench.chaos_workload import NAMESPACE, Workload
 from bench.redis_server import RedisServer, find_redis_server
@@ -80,6 +92,7 @@ FAULT_WEIGHTS = {
 FAULT_KINDS = tuple(FAULT_WEIGHTS)
 NVME_PAGE_BYTES = 2 * MiB
 NVME_FILE_BYTES = 16 * MiB
+ATTACKER_CHAIN = frozenset(attacker_chain(8))  # the chain the attacker stores under besides the engines'
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,7 @@ class ChaosConfig:
     fetch_deadline_s: float = 0.5
     workload: Workload = field(default_factory=lambda: Workload(num_groups=4, num_sessions=32, shared_blocks=6, own_blocks=30))
     workdir: Path | None = None  # kept when given; a temporary directory otherwise
+    tls: bool = False  # mutual TLS between the daemons, beside the fleet secret
 
 
 class ChaosRun:
@@ -123,6 +137,10 @@ class ChaosRun:
         self.engines: list[EngineProcess] = []
         self.engine_daemon: dict[int, str] = {}  # engine id -> the daemon it talks to
         self.proxy: FlipProxy | None = None
+        self.credentials: FleetCredentials | None = None
+        self.attacker: AttackerProcess | None = None
+        self.refusals = RefusalTally()
+        self.planted_listed: dict[str, str] = {}  # block of the attacker's chain -> where a daemon listed it
 
     # -- setup ------------------------------------------------------------------------------
     def setup(self) -> dict:
@@ -132,17 +150,19 @@ class ChaosRun:
         (self.workdir / "redis").mkdir()
         self.redis = RedisServer(binary, self.workdir / "redis").start()
         tag = self.workdir.name.replace("_", "-")
+        self.credentials = FleetCredentials(self.workdir / "credentials", self.config.tls)
         for name in ("a", "b"):
             home = self.workdir / f"daemon-{name}"
             home.mkdir()
             settings = {
-                "server.grpc_port": 0, "server.metrics_port": -1, "server.node_id": f"chaos-{name}", "server.drain_timeout_s": 1,
+                "server.grpc_port": 0, "server.metrics_port": 0, "server.node_id": f"chaos-{name}", "server.drain_timeout_s": 1,
                 "host.capacity_bytes": self.config.host_bytes, "host.page_bytes": MiB, "host.name": f"kvstore-chaos-{name}-{tag}",
                 "nvme.directory": home / "nvme", "nvme.capacity_bytes": self.config.nvme_bytes,
                 "nvme.page_bytes": NVME_PAGE_BYTES, "nvme.file_bytes": NVME_FILE_BYTES,
                 "manager.reservation_ttl_s": self.config.reservation_ttl_s,
                 "index.backend": self.redis.url, "index.lease_ttl_s": 3, "index.heartbeat_interval_s": 0.5,
                 "index.publish_interval_s": 0.05, "transport.kind": "tcp", "transport.port": free_port(),
+                **self.credentials.daemon_settings(),
             }  # fmt: skip
             self.daemons.append(ChaosDaemon(name, home, settings))
         for daemon in self.daemons:
@@ -178,6 +198,19 @@ class ChaosRun:
                 self.engine_daemon[engine.engine_id] = daemon.name
                 engine.start()
                 self.engines.append(engine)
+        self.attacker = AttackerProcess(
+            self.workdir / "attacker",
+            {
+                "targets": [f"tcp://127.0.0.1:{d.settings['transport.port']}" for d in self.daemons],
+                "seconds": self.config.seconds,
+                "seed": self.config.seed,
+                "wrong_secret": self.credentials.wrong_secret,
+                "workload": asdict(workload),
+                "stranger_cert": self.credentials.stranger_cert,
+                "stranger_key": self.credentials.stranger_key,
+            },
+        )
+        self.attacker.start()
         return self_test
 
     # -- scheduling --------------------------------------------------------------------------
@@ -192,6 +225,14 @@ class ChaosRun:
 
     def finding(self, kind: str, **details) -> None:
         self.findings.append({"kind": kind, "t": round(time.time(), 3), **details})
+
+    def scrape_refusals(self, daemon: ChaosDaemon) -> None:
+        self.refusals.scrape(daemon.name, daemon.lives, daemon.state.get("metrics_port"))
+
+    def note_planted(self, listed, where: str) -> None:
+        """Record blocks of the attacker's chain among ``listed`` (block hashes a daemon listed)."""
+        for block_hash in ATTACKER_CHAIN.intersection(listed):
+            self.planted_listed.setdefault(block_hash.hex(), where)
 
     # -- watching the processes --------------------------------------------------------------
     def watch(self) -> None:
@@ -277,6 +318,7 @@ class ChaosRun:
         elif kind.startswith("daemon_"):
             daemon = self.rng.choice(self.daemons)
             details = {"daemon": daemon.name, "pid": daemon.pid}
+            self.scrape_refusals(daemon)  # this life's last figures
             if kind == "daemon_kill":
                 daemon.signal(signal.SIGKILL)
                 daemon.wait(10)
@@ -285,6 +327,7 @@ class ChaosRun:
             elif kind == "daemon_term":
                 try:
                     self.listed_before_term[daemon.name] = {bytes(b.block_hash): b.leases for b in list_blocks(daemon.grpc_address)}
+                    self.note_planted(self.listed_before_term[daemon.name], f"{daemon.name} before SIGTERM")
                 except KVStoreError:
                     pass  # not listed: this restart is not checked
                 daemon.signal(signal.SIGTERM)
@@ -367,10 +410,16 @@ class ChaosRun:
         self.rng.shuffle(first_pass)
         next_fault = time.monotonic() + 1.0
         next_evict = time.monotonic() + 1.0
+        next_scrape = time.monotonic()
         while time.monotonic() < deadline:
             self.run_due()
             self.watch()
             now = time.monotonic()
+            if now >= next_scrape:
+                for daemon in self.daemons:
+                    if self.daemon_state[daemon.name] == "up":
+                        self.scrape_refusals(daemon)
+                next_scrape = now + 1.0
             if now >= next_fault:
                 kinds = [k for k in first_pass if self.eligible(k)]
                 if kinds:
@@ -392,7 +441,8 @@ class ChaosRun:
 
     # -- the end -----------------------------------------------------------------------------
     def wind_down(self, timeout_s: float = 60.0) -> None:
-        """Stop injecting, continue everything, let every daemon come back, stop the engines."""
+        """Stop injecting, continue everything, let every daemon come back, stop the
+        attacker (it stops by itself about now) and the engines."""
         self.proxy.disarm()
         self.run_due(everything=True)
         for daemon in self.daemons:
@@ -403,6 +453,11 @@ class ChaosRun:
         while any(state != "up" for state in self.daemon_state.values()) and time.monotonic() < deadline:
             self.watch()
             time.sleep(0.05)
+        code = self.attacker.finish(timeout_s=15.0)
+        if code != 0:
+            self.finding("attacker_failed", code=code, log=self.attacker.log_tail(1500))
+        for daemon in self.daemons:
+            self.scrape_refusals(daemon)
         time.sleep(1.0)  # the engines reconnect and finish what they were doing
         (self.workdir / "engines" / "stop").touch()
         for engine in self.engines:
@@ -421,6 +476,7 @@ class ChaosRun:
         counters = {d.name: dict(stats(d.grpc_address).counters) for d in self.daemons}
         before = {d.name: {bytes(b.block_hash) for b in list_blocks(d.grpc_address)} for d in self.daemons}
         for daemon in self.daemons:
+            self.note_planted(before[daemon.name], f"{daemon.name} at the end")
             daemon.signal(signal.SIGTERM)
         for daemon in self.daemons:
             code = daemon.wait(60)
@@ -436,6 +492,7 @@ class ChaosRun:
         persisted, final = {}, {}
         for daemon in self.daemons:
             name = daemon.name
+            self.note_planted(after[name], f"{name} after its last restart")
             missing = {h for h in before[name] - after[name] if h.hex() not in self.corrupted[name]}
             verified = verify_blocks(str(daemon.socket), sorted(after[name]))
             unreadable = {h.hex() for h in verified.pop("unreadable")}
@@ -477,6 +534,8 @@ class ChaosRun:
     def teardown(self) -> None:
         if self.proxy is not None:
             self.proxy.close()
+        if self.attacker is not None:
+            self.attacker.kill()
         for engine in self.engines:
             engine.kill()
         for daemon in self.daemons:
@@ -517,11 +576,12 @@ def main() -> None:
         parser.add_argument("--seconds", type=float, default=None, help="fault injection time (default 240, --quick 20)")
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--keep", type=Path, default=None, help="run in this directory and keep it (logs, stats files)")
+        parser.add_argument("--tls", action="store_true", help="mutual TLS between the daemons (trustme certificates), beside the secret")
 
     args = parse_args(__doc__.splitlines()[0], extra)
     seconds = args.seconds if args.seconds is not None else (20.0 if args.quick else ChaosConfig.seconds)
     interval = 0.6 if args.quick else ChaosConfig.fault_interval_s
-    config = ChaosConfig(seconds=seconds, seed=args.seed, fault_interval_s=interval, workdir=args.keep)
+    config = ChaosConfig(seconds=seconds, seed=args.seed, fault_interval_s=interval, workdir=args.keep, tls=args.tls)
     result = run_chaos(config)
     report = Report("chaos")
     print_result(report, result)
@@ -530,11 +590,20 @@ def main() -> None:
     report.ratio("leaked_slots", result["leaked_slots"], "<= 0")
     report.ratio("leftover_owners", result["leftover_owners"], "<= 0")
     report.ratio("crashes", result["crashes"], "<= 0")
+    report.ratio("attacker_bytes_served", result["attacker_bytes_served"], "<= 0")
+    report.ratio("attacker_blocks_planted", result["attacker_blocks_planted"], "<= 0")
+    report.ratio("attacker_finished", int(result["attacker"]["finished"]), ">= 1")  # zeros from an attacker that never ran prove nothing
+    report.ratio("attacker_attempts", sum(result["attacker_attempts"].values()))
+    report.ratio("refused_connections", result["refused_connections_total"])
     report.ratio("loads", result["load_calls"])
     report.ratio("loaded_blocks", result["loaded_blocks"])
     report.ratio("faults", result["total_faults"])
     report.results.append(result)
     report.emit(args.json)
+    unmet = [name for name in report.targets if not report.met(name)]
+    if unmet:
+        print(f"chaos: targets not met: {', '.join(unmet)}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

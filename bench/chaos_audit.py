@@ -26,11 +26,19 @@ that way, any other is counted as lost.
 
 The checker check: before the run, a block whose bytes are damaged in the host slab
 (where nothing verifies them) must be caught by the same check the engines use.
+
+Refused peer connections: each daemon's metric
+``kvstore_peer_refused_connections_total{reason}``, scraped from its metrics endpoint
+while it runs. A daemon's counters start at 0 with each life, so ``RefusalTally`` keeps
+the last figures seen in each life and adds the lives up; refusals a daemon counted
+after its last scrape before a SIGKILL are not seen (the figures are a lower bound).
 """
 
 from __future__ import annotations
 
+import re
 import time
+import urllib.request
 from collections import Counter
 
 import torch
@@ -42,10 +50,20 @@ from kvstore.client import KVStoreClient
 from kvstore.tiers.nvme_format import TRAILER_BYTES
 from kvstore.tiers.slab import round_up
 
-__all__ = ["SLOT_BYTES", "list_blocks", "stats", "slot_audit", "verify_blocks", "checker_self_test"]
+__all__ = [
+    "SLOT_BYTES",
+    "RefusalTally",
+    "list_blocks",
+    "stats",
+    "slot_audit",
+    "verify_blocks",
+    "checker_self_test",
+    "refused_connections",
+]
 
 SLOT_BYTES = {pb.TIER_HOST: round_up(BLOCK_BYTES, 4096), pb.TIER_NVME: round_up(BLOCK_BYTES, 4096) + TRAILER_BYTES}
 TIER_NAMES = {pb.TIER_HOST: "host", pb.TIER_NVME: "nvme"}
+_REFUSED = re.compile(r'^kvstore_peer_refused_connections_total\{reason="([a-z_]+)"\} ([0-9.e+]+)$')
 
 
 def list_blocks(address: str) -> list[pb.BlockInfo]:
@@ -155,3 +173,37 @@ def checker_self_test(socket: str, address: str) -> dict:
         api.admin.Evict(pb.EvictRequest(namespace_id=digest, block_hashes=hashes))
     detected = leased == 2 and (wrong == 1 or loaded < 2)
     return {"leased": leased, "loaded": loaded, "wrong_bytes_seen": wrong, "detected": detected}
+
+
+def refused_connections(metrics_port: int, timeout_s: float = 1.0) -> dict[str, int]:
+    """A daemon's refused peer connections by reason, from its metrics endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=timeout_s) as response:
+        text = response.read().decode()
+    found = (_REFUSED.match(line) for line in text.splitlines())
+    return {match[1]: int(float(match[2])) for match in found if match}
+
+
+class RefusalTally:
+    """Refused connections per daemon and reason, added up over the daemons' lives: the
+    last figures seen in each life count. Owner: the driver's thread."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, int], dict[str, int]] = {}  # (daemon, life) -> reason -> count
+        self.failed_scrapes = 0
+
+    def scrape(self, daemon: str, life: int, metrics_port: int | None) -> None:
+        if not metrics_port:
+            return
+        try:
+            self._last[(daemon, life)] = refused_connections(metrics_port)
+        except OSError:
+            self.failed_scrapes += 1  # stopped, or going down: the figures of an earlier scrape stand
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        """daemon -> reason -> refusals over every life seen."""
+        totals: dict[str, dict[str, int]] = {}
+        for (daemon, _), counts in sorted(self._last.items()):
+            into = totals.setdefault(daemon, {})
+            for reason, count in counts.items():
+                into[reason] = into.get(reason, 0) + count
+        return totals

@@ -8,6 +8,11 @@ block whose bytes are exactly another block's is named after that block
 reservation's slots after the reservation expired: a slot reused while its old writer
 still held it. Daemon logs are searched for tracebacks (the last line of each is
 counted), which are findings even when no figure moved.
+
+The attacker (bench/chaos_attacker.py): its attempts by kind and how each ended, the
+bytes of requests the daemons served it (block payloads, hot-chain lists, any other
+reply), and the blocks it planted: blocks of its own chain that a daemon listed, and
+wrong blocks (served to an engine, or found by the final check) holding its bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from bench.chaos_attacker import ATTACK_KINDS, attacker_digest
 from bench.chaos_workload import BLOCK_BYTES, Workload, content_digest, expected_bytes
 from bench.report import Report
 
@@ -35,13 +41,14 @@ CRASH_FINDINGS = (
     "daemon_unclean_exit_on_sigterm",
     "daemon_hung_on_sigterm",
 )
+ATTACKER_BYTES = "the attacker's bytes"
 
 
 class ContentNames:
     """Content digest → the block whose expected bytes have it."""
 
     def __init__(self, workload: Workload, scratch: list[dict]) -> None:
-        self.names: dict[str, str] = {content_digest(np.zeros(BLOCK_BYTES, np.uint8)): "zeros"}
+        self.names: dict[str, str] = {content_digest(np.zeros(BLOCK_BYTES, np.uint8)): "zeros", attacker_digest(): ATTACKER_BYTES}
         for session in range(workload.num_sessions):
             for index, block_hash in enumerate(workload.chain(session)):
                 self.names.setdefault(content_digest(expected_bytes(block_hash)), f"session {session} block {index}")
@@ -63,6 +70,37 @@ def _category(name: str) -> str:
     if name.startswith("session"):
         return "bytes of another session block"
     return name
+
+
+def attacker_figures(record: dict) -> dict:
+    """The attacker's last stats line as the report's figures."""
+    counters = record.get("counters", {})
+    attempts = {kind: counters.get(f"attempts_{kind}", 0) for kind in ATTACK_KINDS}
+    outcomes: dict[str, dict[str, int]] = {kind: {} for kind in ATTACK_KINDS}
+    for name, count in sorted(counters.items()):
+        if name.startswith("outcome:"):
+            _, kind, outcome = name.split(":")
+            outcomes.setdefault(kind, {})[outcome] = count
+    return {
+        "finished": bool(record.get("done")),
+        "source_host": record.get("source_host"),
+        "cpu_s": record.get("cpu_s", 0.0),
+        "attempts": attempts,
+        "outcomes": outcomes,
+        "bytes_served": counters.get("served_bytes", 0),
+        "block_bytes_served": counters.get("served_block_bytes", 0),
+        "chain_list_bytes_served": counters.get("served_chain_list_bytes", 0),
+        "stores_accepted": counters.get("stores_accepted", 0),
+        "flood": {k: counters.get(f"flood_{k}", 0) for k in ("connections", "connected", "closed_by_daemon")},
+        "silent": {
+            "opened": outcomes.get("silent", {}).get("opened", 0),
+            **{k: counters.get(f"silent_{k}", 0) for k in ("closed_by_daemon", "outlived_patience")},
+        },
+        "tls_attempts": counters.get("tls_attempts", 0),
+        "unparsed_bytes": counters.get("unparsed_bytes", 0),
+        "refusals_seen": record.get("error_classes", {}),
+        "served_sample": record.get("served", []),
+    }
 
 
 def log_exceptions(text: str) -> collections.Counter[str]:
@@ -109,6 +147,9 @@ def summarize(run: ChaosRun, self_test: dict, audit: dict, engines: dict, events
     distinct = list(wrong_found.values())
     final_wrong = sum(f["wrong_bytes"] for f in audit["final"].values())
     crashes = [f for f in run.findings if f["kind"] in CRASH_FINDINGS]
+    attacker = attacker_figures(run.attacker.record())
+    planted_served = [f["block"] for f in distinct if f["bytes_are"] == ATTACKER_BYTES]
+    refused = run.refusals.totals()
     return {
         "seconds": round(seconds, 1),
         "checker_self_test": self_test,
@@ -150,6 +191,15 @@ def summarize(run: ChaosRun, self_test: dict, audit: dict, engines: dict, events
         "phantom_blocks": sum(leak["phantom_blocks"] for leak in audit["leaks"].values()),
         "leftover_owners": sum(leak["leftover_owners"] for leak in audit["leaks"].values()),
         "crashes": len(crashes) + engines.get("unexpected_errors", 0),
+        "peer_auth": run.credentials.mode,
+        "attacker": attacker,
+        "attacker_attempts": attacker["attempts"],
+        "attacker_bytes_served": attacker["bytes_served"],
+        "attacker_blocks_planted": len(run.planted_listed) + len(set(planted_served) - run.planted_listed.keys()),
+        "attacker_planted_listed": run.planted_listed,
+        "attacker_planted_served": planted_served,
+        "refused_connections": refused,
+        "refused_connections_total": sum(sum(reasons.values()) for reasons in refused.values()),
         "daemon_log_exceptions": {d.name: dict(log_exceptions(d.log_tail(1 << 30))) for d in run.daemons},
         "audit": audit,
         "findings": run.findings,
@@ -185,6 +235,28 @@ def print_result(report: Report, result: dict) -> None:
         ["daemon", "what", "a", "b", "c", "d", "e"],
         rows,
     )
+    attacker = result["attacker"]
+    rows = [[kind, n, " ".join(f"{o}={c}" for o, c in attacker["outcomes"][kind].items())] for kind, n in attacker["attempts"].items()]
+    report.print_table(
+        f"attacker attempts (peer auth: {result['peer_auth']}; from {attacker['source_host']}, {attacker['cpu_s']:.1f} CPU s; "
+        f"flood: {attacker['flood']}; silent: {attacker['silent']})",
+        ["kind", "attempts", "outcomes"],
+        rows,
+    )
+    refused = result["refused_connections"]
+    reasons = sorted({reason for counts in refused.values() for reason in counts})
+    report.print_table(
+        "refused peer connections (daemons' kvstore_peer_refused_connections_total, added over their lives)",
+        ["daemon", *reasons, "total"],
+        [[name, *(counts.get(r, 0) for r in reasons), sum(counts.values())] for name, counts in refused.items()],
+    )
+    report.print_table(
+        "attacker served and planted (all must be 0)",
+        ["bytes served", "block bytes", "chain-list bytes", "stores accepted", "planted blocks", "listed", "served with its bytes"],
+        [[result["attacker_bytes_served"], attacker["block_bytes_served"], attacker["chain_list_bytes_served"],
+          attacker["stores_accepted"], result["attacker_blocks_planted"], len(result["attacker_planted_listed"]),
+          len(result["attacker_planted_served"])]],
+    )  # fmt: skip
     restarts = result["clean_restarts_during_run"]
     report.print_table(
         f"integrity (lost blocks include {len(restarts)} clean restarts during the run)",

@@ -1,22 +1,28 @@
-"""The integrity chaos run (bench/chaos.py): the byte checker on its own, then a short run
-with real daemons, Redis and engine processes under every kind of fault."""
+"""The integrity chaos run (bench/chaos.py): the byte checker on its own, the attacker's
+accounting on its own and against a daemon that authenticates nobody (where it must get
+served and plant blocks), then a short run with real daemons, Redis and engine processes
+under every kind of fault, peer authentication on and the attacker at the peer ports."""
 
 from __future__ import annotations
 
 import json
 import signal
 import time
+from dataclasses import asdict
 
 import numpy as np
 import pytest
 import torch
 from daemon_harness import daemons, eventually
 
-from bench.chaos_report import ContentNames, log_exceptions
+from bench.chaos_attacker import ATTACK_KINDS, Attacker, AttackerSettings, attacker_chain, attacker_payload
+from bench.chaos_audit import list_blocks
+from bench.chaos_report import ATTACKER_BYTES, ContentNames, log_exceptions
 from bench.chaos_workload import (
     BLOCK_BYTES,
     NAMESPACE,
     Workload,
+    content_digest,
     describe_mismatch,
     expected_bytes,
     scratch_chain,
@@ -25,6 +31,8 @@ from bench.chaos_workload import (
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.client import KVStoreClient
+from kvstore.errors import InvalidArgument
+from kvstore.transport.wire import FrameHeader, FrameKind, block_header, control_header, encode_control
 
 WORKLOAD = Workload(num_groups=2, num_sessions=4, shared_blocks=3, own_blocks=5)
 
@@ -76,6 +84,68 @@ def test_daemon_log_tracebacks_are_counted_by_their_last_line():
     assert log_exceptions(log) == {"ValueError: bad N": 2}
 
 
+def _attacker(tmp_path, targets: list[str], **extra) -> Attacker:
+    settings = {"stats_path": str(tmp_path / "attacker.jsonl"), "stop_path": str(tmp_path / "stop"), "seconds": 5, "seed": 1}
+    return Attacker(AttackerSettings(targets=targets, wrong_secret="w" * 64, workload=asdict(WORKLOAD), **{**settings, **extra}))
+
+
+def test_the_attacker_s_blocks_are_recognisable_and_its_chain_is_its_own():
+    payload = attacker_payload()
+    assert payload.size == BLOCK_BYTES
+    assert ContentNames(WORKLOAD, []).name(content_digest(payload)) == ATTACKER_BYTES
+    assert wrong_bytes(payload.copy(), WORKLOAD.chain(0)[0]) > BLOCK_BYTES * 0.9
+    engines = {h for s in range(WORKLOAD.num_sessions) for h in WORKLOAD.chain(s)} | set(scratch_chain(0, 1, 1, 8))
+    assert not set(attacker_chain(8)) & engines
+
+
+def test_the_attacker_attacks_loopback_only_and_floods_within_its_bound(tmp_path):
+    with pytest.raises(InvalidArgument, match="loopback"):
+        _attacker(tmp_path, ["tcp://10.0.0.1:5000"])
+    with pytest.raises(InvalidArgument, match="200"):
+        _attacker(tmp_path, ["tcp://127.0.0.1:5000"], flood_connections=201)
+
+
+def test_the_attacker_counts_served_bytes_even_of_a_frame_cut_short_and_refusals_as_none(tmp_path):
+    attacker = _attacker(tmp_path, ["tcp://127.0.0.1:5000"])
+    hello = encode_control({"nonce": bytes(32)})
+    error = encode_control(["PermissionDenied", "no"])
+    hello_frame = control_header(FrameKind.AUTH, 0, hello).pack() + hello
+    assert attacker._tally(hello_frame + control_header(FrameKind.ERROR, 0, error).pack() + error, "test") == "refused"
+    assert attacker.counters.get("served_bytes", 0) == 0
+    assert attacker._tally(hello_frame, "test") == "handshake_only"
+    block = expected_bytes(WORKLOAD.chain(0)[0]).tobytes()
+    cut_short = block_header(1, NAMESPACE.digest, WORKLOAD.chain(0)[0], block, 0).pack() + block[:1000]
+    assert attacker._tally(hello_frame + cut_short, "test") == "served"
+    assert attacker.counters["served_block_bytes"] == attacker.counters["served_bytes"] == 1000
+    assert attacker._tally(FrameHeader(FrameKind.CONTROL, 0).pack()[:50] + b"junk", "test") == "nothing"
+    assert attacker.counters["unparsed_bytes"] == 54
+
+
+@pytest.mark.slow
+def test_the_attacker_is_served_and_plants_blocks_where_peers_are_not_authenticated(tmp_path):
+    """The control for the chaos run's zeros: against a daemon that authenticates nobody, the
+    same attacker gets its requests answered and its bytes stored, under its own chain and
+    under the engines' hashes (so that an engine loads them as a hit), and the run's audit
+    names those bytes as the attacker's."""
+    with daemons(tmp_path) as start:
+        daemon = start(node_id="open")
+        attacker = _attacker(tmp_path, [daemon.transport_address], openings=["skip_proof"])
+        for kind in ("store", "store", "store", "fetch", "hot"):
+            attacker.attempt(kind, daemon.transport_address)
+        counters = attacker.counters
+        assert counters["stores_accepted"] == 3 and counters["planted_blocks_stored_reported"] > 0, counters
+        assert counters["served_chain_list_bytes"] > 0 and counters["outcome:fetch:served"] == 1, counters
+        listed = {bytes(b.block_hash) for b in list_blocks(daemon.address)}
+        assert listed & set(attacker_chain(8))
+        planted = [h for s in range(WORKLOAD.num_sessions) for h in WORKLOAD.chain(s) if h in listed]
+        assert planted
+        client, digest = _client(daemon)
+        into = [torch.zeros(BLOCK_BYTES, dtype=torch.uint8)]
+        assert client.load(digest, planted[:1], into) == 1
+        assert wrong_bytes(into[0].numpy(), planted[0]) > 0
+        assert ContentNames(WORKLOAD, []).name(content_digest(into[0].numpy())) == ATTACKER_BYTES
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_chaos_run_serves_no_wrong_bytes_loses_no_block_and_leaks_no_slot(tmp_path):
@@ -98,6 +168,16 @@ def test_chaos_run_serves_no_wrong_bytes_loses_no_block_and_leaks_no_slot(tmp_pa
     assert result["leaked_slots"] == 0 and result["phantom_blocks"] == 0, evidence
     assert result["leftover_owners"] == 0, evidence
     assert result["crashes"] == 0, evidence
+    # the attacker spent the run at both peer ports, was refused, and got nothing in or out
+    attacker = result["attacker"]
+    assert result["peer_auth"] == "secret" and attacker["finished"], attacker
+    assert all(attacker["attempts"][kind] > 0 for kind in ATTACK_KINDS), attacker["attempts"]
+    assert all(attacker["outcomes"][kind].get("refused", 0) > 0 for kind in ("store", "fetch", "hot", "wrong_secret")), attacker
+    assert attacker["silent"]["closed_by_daemon"] > 0 and attacker["flood"]["closed_by_daemon"] > 0, attacker
+    refused = {reason: sum(r.get(reason, 0) for r in result["refused_connections"].values()) for reason in ("refused", "timeout", "limit")}
+    assert all(refused.values()), result["refused_connections"]
+    assert result["attacker_bytes_served"] == 0, attacker
+    assert result["attacker_blocks_planted"] == 0, (result["attacker_planted_listed"], result["attacker_planted_served"])
 
 
 # -- what the chaos run found, each reduced to a deterministic sequence ----------------------

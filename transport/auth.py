@@ -21,9 +21,10 @@ proves it holds the secret without sending it, over fresh nonces of both, so a r
 handshake proves nothing later. The role key is derived from the fleet key per role: a
 ``daemon`` may make every request, a ``reader`` (an engine reading blocks from a peer
 itself, kvstore/remote_read.py) may only fetch, so an engine never holds a credential
-that could store blocks. Without TLS, both sides then derive a session key from the same
-nonces and every later frame carries a keyed BLAKE3 MAC over its header and payload and a
-counter (transport/wire.py): a forged, altered, replayed or reordered frame is refused.
+that could store blocks. Without TLS, both sides then derive a session key per direction
+from the same nonces and every later frame carries a counter and a MAC over its header and
+payload (an AES-256-GCM tag, transport/wire.py): a forged, altered, replayed, reordered
+or reflected frame is refused.
 With TLS, the TLS handshake comes first and authenticates both ends by certificate; the
 channel protects the frames, which carry no MAC.
 
@@ -49,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import blake3
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, PermissionDenied, TransferFailed
 from kvstore.transport.wire import MAC_BYTES, FrameHeader, FrameKind, control_header, decode_control, encode_control
@@ -100,17 +102,25 @@ class Seal:
     Owner: the channel it belongs to (one task sends, one receives: the counters need no lock).
     """
 
-    __slots__ = ("_key", "sent", "received")
+    __slots__ = ("_send", "_receive", "sent", "received")
 
-    def __init__(self, session_key: bytes) -> None:
-        self._key = session_key
+    def __init__(self, send_key: bytes, receive_key: bytes) -> None:
+        # a key per direction: a frame reflected back to its sender fails its MAC there
+        self._send, self._receive = AESGCM(send_key), AESGCM(receive_key)
         self.sent = 0
         self.received = 0
+
+    @classmethod
+    def of(cls, role_key: bytes, nonce_c: bytes, nonce_s: bytes, client_side: bool) -> Seal:
+        """The seal of one side of a handshake over ``nonce_c`` and ``nonce_s``."""
+        to_server = _derive(role_key, b"session client to server", nonce_c, nonce_s)
+        to_client = _derive(role_key, b"session server to client", nonce_c, nonce_s)
+        return cls(to_server, to_client) if client_side else cls(to_client, to_server)
 
     def sign(self, header: FrameHeader, payload: Buffer) -> FrameHeader:
         counted = _with(header, counter=self.sent)
         self.sent += 1
-        return _with(counted, mac=self._mac(counted, payload))
+        return _with(counted, mac=self._mac(self._send, counted, payload))
 
     def check_order(self, header: FrameHeader) -> None:
         """CorruptBlock unless ``header`` is the next frame the peer sent (none dropped,
@@ -123,14 +133,17 @@ class Seal:
         self.received += 1
 
     def verify(self, header: FrameHeader, payload: Buffer) -> None:
-        if not hmac.compare_digest(self._mac(header, payload), header.mac):
+        if not hmac.compare_digest(self._mac(self._receive, header, payload), header.mac):
             raise CorruptBlock(f"a {header.kind.name} frame failed its MAC: it was altered on the way or forged; it was dropped.")
 
-    def _mac(self, header: FrameHeader, payload: Buffer) -> bytes:
-        hasher = blake3.blake3(header.signed_part(), key=self._key)
-        if header.length:
-            hasher.update(payload)
-        return hasher.digest(MAC_BYTES)
+    @staticmethod
+    def _mac(aead: AESGCM, header: FrameHeader, payload: Buffer) -> bytes:
+        """The GCM tag over the header (encrypted, and the ciphertext dropped) and the payload
+        (authenticated as associated data): GMAC, at memory speed where the CPU has AES and
+        carry-less multiply instructions. The nonce is the frame's counter, which never
+        repeats under a session key (one per direction, per connection)."""
+        nonce = header.counter.to_bytes(12, "little")
+        return aead.encrypt(nonce, header.signed_part(), payload if header.length else None)[-MAC_BYTES:]
 
 
 def _with(header: FrameHeader, **changes: Any) -> FrameHeader:
@@ -257,7 +270,7 @@ class ClientHandshake:
         expected = _derive(role_key, b"server", self.nonce, nonce_s)
         if not isinstance(proof_s, bytes) or not hmac.compare_digest(proof_s, expected):
             raise PermissionDenied("the peer did not prove it holds the fleet secret; no block is sent to or taken from it.")
-        seal = None if self.tls else Seal(_derive(role_key, b"session", self.nonce, nonce_s))
+        seal = None if self.tls else Seal.of(role_key, self.nonce, nonce_s, client_side=True)
         proof = {"proof": _derive(role_key, b"client", self.nonce, nonce_s)}
         return proof, Authenticated("daemon", "secret+tls" if self.tls else "secret", seal)
 
@@ -296,7 +309,7 @@ class ServerHandshake:
         expected = _derive(role_key, b"client", self._hello["nonce"], self.nonce)
         if not isinstance(proof, dict) or not isinstance(proof.get("proof"), bytes) or not hmac.compare_digest(proof["proof"], expected):
             raise PermissionDenied("the peer did not prove it holds the fleet secret (transport.peer_secret differs, or none is set).")
-        seal = None if self.tls else Seal(_derive(role_key, b"session", self._hello["nonce"], self.nonce))
+        seal = None if self.tls else Seal.of(role_key, self._hello["nonce"], self.nonce, client_side=False)
         return Authenticated(role, "secret+tls" if self.tls else "secret", seal)
 
 

@@ -60,6 +60,7 @@ from kvstore.hashing import BlockHash
 from kvstore.localproto import pack_hashes
 from kvstore.transport.auth import HANDSHAKE_BYTES, ClientHandshake, PeerAuth, Seal, tls_context
 from kvstore.transport.base import split_address
+from kvstore.transport.tcp import TLS_RECORD_BYTES
 from kvstore.transport.wire import HEADER_BYTES, FrameHeader, FrameKind, control_header, decode_control, encode_control
 
 __all__ = ["DirectRead", "PeerReader", "reads_directly"]
@@ -386,6 +387,8 @@ class _Stream:
                 count = 0
             except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
                 wake_bytes = min(len(view) - got, WAKE_BYTES)
+                if self.tls:  # OpenSSL may hold part of the last record already: wake a record sooner
+                    wake_bytes = max(1, wake_bytes - TLS_RECORD_BYTES)
                 if wake_bytes != self._wake_bytes:
                     self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, wake_bytes)
                     self._wake_bytes = wake_bytes

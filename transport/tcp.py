@@ -63,6 +63,7 @@ class _TcpChannel(FramedChannel):
     def __init__(self, sock: socket.socket, peer: str, frames_per_write: int, forget: Callable[[Channel], None]) -> None:
         super().__init__(peer, forget)
         self._sock = sock
+        self._fd = sock.fileno()  # what the loop watches; valid until close
         self._frames_per_write = min(frames_per_write, IOV_MAX // 2)
         self._loop = asyncio.get_running_loop()
         self._waiters: set[asyncio.Future] = set()  # readiness waits that close must wake
@@ -179,15 +180,18 @@ class _TcpChannel(FramedChannel):
             self._wake_bytes = nbytes
 
     async def _ready(self, watch: Callable, unwatch: Callable) -> None:
+        # by descriptor: given the socket object, the loop formats its repr (two system
+        # calls) into an exception it swallows, on every add and on every remove of one
+        # it does not watch
         waiter = self._loop.create_future()
-        watch(self._sock, _wake, waiter)
+        watch(self._fd, _wake, waiter)
         self._waiters.add(waiter)
         try:
             await waiter
         finally:
             self._waiters.discard(waiter)
             if not self._closed:
-                unwatch(self._sock)
+                unwatch(self._fd)
 
     def _failure(self, exc: OSError) -> TransferFailed:
         self._break("the connection broke")
@@ -196,8 +200,8 @@ class _TcpChannel(FramedChannel):
     async def close(self) -> None:
         if not self._mark_closed():
             return
-        self._loop.remove_reader(self._sock)
-        self._loop.remove_writer(self._sock)
+        self._loop.remove_reader(self._fd)
+        self._loop.remove_writer(self._fd)
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_exception(TransferFailed(f"the channel to {self.peer} was closed."))
@@ -214,6 +218,11 @@ class _TlsChannel(_TcpChannel):
     @property
     def encrypted(self) -> bool:
         return True
+
+    def _wake_at(self, nbytes: int) -> None:
+        """OpenSSL may already hold part of the record that ends a payload: fewer bytes
+        than the payload still to come may be left to arrive, so wake a record sooner."""
+        super()._wake_at(max(1, nbytes - TLS_RECORD_BYTES))
 
     async def secure(self) -> None:
         while True:
@@ -286,6 +295,8 @@ class _TlsChannel(_TcpChannel):
 
 # parts below this size are joined into one TLS write
 SMALL_WRITE_BYTES = 16 << 10
+# the most a TLS record occupies on the wire: its header, 16 KiB of data, and what the cipher adds
+TLS_RECORD_BYTES = 5 + (16 << 10) + 256
 
 
 def _wake(waiter: asyncio.Future) -> None:

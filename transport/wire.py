@@ -15,8 +15,8 @@
     56     4    sequence: the block's position in its transfer
     60     8    XXH3-64 of the payload
     68     8    counter: how many frames the sender sent on this channel before this one
-    76     16   MAC: keyed BLAKE3 of bytes 0…75 and the payload under the channel's session
-                key, on a channel sealed by a fleet secret without TLS; zeros otherwise
+    76     16   MAC: the AES-256-GCM tag of bytes 0…75 and the payload under the channel's
+                session key, on a channel sealed by a fleet secret without TLS; zeros otherwise
     92     4    XXH32 of bytes 0…91 (a torn or forged header is refused before its
                 length is trusted)
 

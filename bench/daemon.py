@@ -48,7 +48,22 @@
   ratio against the faster of the two; the raw sends and each transport's loads take
   turns, best of 5 each (bench.transport's ``RawSocketLink``, its receiver woken per MiB
   as kvstore's is). And against a load of the same blocks once local. ``--remote-fetch-only``
-  runs this part alone (the same baseline, the same sizes).
+  runs this part alone (the same baseline, the same sizes);
+- what peer authentication costs the remote load over TCP: three pairs of daemons, one
+  authenticating nothing, one with a fleet secret (the engine reads with the reader key
+  its daemon hands it, every frame MAC'd), one with mutual TLS; the engine's loads from
+  each take turns with raw sockets moving the same bytes, plain and TLS (bench.
+  transport's ``RawTlsLink``: the same TLS context; one ``sendall`` of everything, and the
+  1 MiB blocks behind kvstore's header, XXH3 checked; the ratio against the faster), best
+  of 9 each (5 with ``--quick``): ``remote_load_mac_vs_plain`` (target ≥ 0.7) and
+  ``remote_load_tls_vs_raw_tls`` (target ≥ 0.8), each the ratio of the round with the
+  median ratio (its two figures measured in that round; bench.transport's
+  ``median_round`` says why), the ratio of the best runs (``…_best``) and the range
+  round by round beside, and the CPU time per GB of every process in each run (engine and
+  daemons; sender and receiver), which other work on the machine does not shift; and
+  the peer connections the loads opened (the engine's and its daemon's to the holder,
+  seen in /proc after each load): connections are kept and reused, so one per pair
+  (target ≤ 1). It runs with ``--remote-fetch-only`` too.
 Every ratio is printed with the two figures it divides. The data path's figures and
 their baselines (memcpy, the copy as a load makes it, save with and without checksums,
 load) take turns too, best of 5 each: on a VM whose memcpy moves by a third from minute
@@ -59,10 +74,12 @@ about kvstore.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -75,7 +92,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.report import Report, best_in_turns, best_of, gbps, parse_args, timed
+from bench.report import Report, best_in_turns, best_of, gbps, parse_args, timed, timings_in_turns
 from kvstore import localproto
 from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
@@ -87,6 +104,7 @@ from kvstore.localproto import Op
 from kvstore.namespace import Namespace
 from kvstore.spawn import DaemonProcess, spawn_daemon
 from kvstore.tiers.base import copy_all, copy_bytes
+from kvstore.transport.base import split_address
 from kvstore.transport.config import TransportConfig
 from kvstore.transport.ucx import import_ucxx
 
@@ -95,6 +113,7 @@ LOOKUP_KEYS = 512
 ASLEEP_GAP_S = 0.002  # past the daemon's polling window (server.spin_us, 200 µs by default)
 DATA_ROUNDS = 5  # rounds of the data path's figures and baselines, taken in turns
 FETCH_ROUNDS = 5  # rounds of each remote fetch and the raw socket, taken in turns
+SECURE_ROUNDS = 9  # the same for the loads with peer authentication (without --quick): their spread is shown
 # 1 MiB blocks: 16 layers × K,V × 16 tokens × 8 heads × 128 dims × fp16
 LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=128, block_size=16)
 NAMESPACE = Namespace("bench/daemon-model", LAYOUT)
@@ -339,7 +358,7 @@ def remote_fetch(kind: str, total: int, rounds: int) -> dict:
             reader.load(digest, hashes, dsts)
 
         fetch = fetched(lambda: reader.load(digest, hashes, dsts, allow_remote=True, deadline_s=60, source=source))
-        with raw_socket(total) as raw:
+        with raw_socket(total) as (raw, _):
             fetch_s, through_s, whole_s, framed_s = best_in_turns(
                 rounds, [fetch, fetched(through_daemon), lambda: raw(total), lambda: raw(LAYOUT.block_bytes)]
             )
@@ -362,6 +381,181 @@ def remote_fetch(kind: str, total: int, rounds: int) -> dict:
     }
 
 
+SECURE_MODES = ("plain", "mac", "tls")  # bench.transport.fleet_credentials' ways to authenticate peers
+
+
+def secure_remote_load(total: int, rounds: int) -> dict:
+    """Best seconds, and every round's, of the engine's remote load between two daemons
+    that authenticate nothing, that share a fleet secret, and that use mutual TLS, taking
+    turns with raw sockets moving the same bytes (plain and TLS); and the connections the
+    loads opened to each holder."""
+    from bench.transport import cpu_seconds, fleet_credentials
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvstore-bench-secure-fetch-"))
+    (workdir / "credentials").mkdir()
+    credentials = fleet_credentials(workdir / "credentials")
+    daemons: list[DaemonProcess] = []
+    clients: list[KVStoreClient] = []
+    num_blocks = total // LAYOUT.block_bytes
+    src = torch.empty(total, dtype=torch.uint8).random_(0, 256)
+    dst = torch.zeros(total, dtype=torch.uint8)
+    srcs, dsts = list(src.view(num_blocks, -1).unbind(0)), list(dst.view(num_blocks, -1).unbind(0))
+    hashes = chain_hashes(np.arange(num_blocks * LAYOUT.block_size) + 50_000_000, LAYOUT.block_size)
+    connections: dict[str, set] = {mode: set() for mode in SECURE_MODES}  # (who, local port) of each seen
+    cpu: dict[str, list[float]] = collections.defaultdict(list)  # CPU seconds of each run, every process in it
+
+    def with_cpu(name: str, run: Callable[[], float], pids: list[int]) -> Callable[[], float]:
+        def measured() -> float:
+            before = time.process_time() + sum(map(cpu_seconds, pids))
+            seconds = run()
+            cpu[name].append(time.process_time() + sum(map(cpu_seconds, pids)) - before)
+            return seconds
+
+        return measured
+
+    def remote_load(mode: str, reader: KVStoreClient, digest: bytes, holder: DaemonProcess, reading: DaemonProcess) -> Callable[[], float]:
+        source = holder.state["transport_address"]
+        port = split_address(source, "tcp")[1]
+
+        load = with_cpu(
+            mode,
+            lambda: timed(lambda: reader.load(digest, hashes, dsts, allow_remote=True, deadline_s=60, source=source)),
+            [holder.process.pid, reading.process.pid],
+        )
+
+        def run() -> float:
+            dst.zero_()
+            seconds = load()
+            assert torch.equal(dst, src), f"the {mode} remote load returned different bytes"
+            for who, pid in (("engine", os.getpid()), ("reading daemon", reading.process.pid)):
+                connections[mode] |= {(who, local_port) for local_port in connections_to(pid, port)}
+            return seconds
+
+        return run
+
+    try:
+        loads = []
+        for mode in SECURE_MODES:
+            settings = {"transport.kind": "tcp", **{f"transport.{name}": value for name, value in credentials[mode].items()}}
+            pair = []
+            for name, host_bytes in (("holder", total + 256 * MiB), ("reader", 256 * MiB)):
+                (workdir / f"{mode}-{name}").mkdir()
+                pair.append(start_daemon(workdir / f"{mode}-{name}", host_bytes, **{"server.node_id": f"bench-{mode}-{name}", **settings}))
+                daemons.append(pair[-1])
+            holder, reader = KVStoreClient(pair[0].state["socket"]), KVStoreClient(pair[1].state["socket"])
+            clients += [holder, reader]
+            digest = holder.register_namespace(NAMESPACE)
+            reader.register_namespace(NAMESPACE)
+            holder.save(digest, hashes, srcs)
+            loads.append(remote_load(mode, reader, digest, *pair))
+        with raw_socket(total) as (raw_tcp, tcp_sender), raw_socket(total, credentials["tls"]) as (raw_tls, tls_sender):
+            raws = [
+                with_cpu("raw_tcp_whole", lambda: raw_tcp(total), [tcp_sender]),
+                with_cpu("raw_tcp_framed", lambda: raw_tcp(LAYOUT.block_bytes), [tcp_sender]),
+                with_cpu("raw_tls_whole", lambda: raw_tls(total), [tls_sender]),
+                with_cpu("raw_tls_framed", lambda: raw_tls(LAYOUT.block_bytes), [tls_sender]),
+            ]
+            timings = timings_in_turns(rounds, loads + raws)
+    finally:
+        for client in clients:
+            client.close()
+        for daemon in daemons:
+            daemon.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    plain, mac, tls, tcp_whole, tcp_framed, tls_whole, tls_framed = timings
+    raw_tls_best = [min(whole, framed) for whole, framed in zip(tls_whole, tls_framed)]
+    return {
+        "transport": "tcp",
+        "total_bytes": total,
+        "loads_per_mode": rounds,
+        **{f"{mode}_gbps": gbps(total, min(seconds)) for mode, seconds in zip(SECURE_MODES, (plain, mac, tls))},
+        "raw_tcp_gbps": gbps(total, min(tcp_whole + tcp_framed)),
+        "raw_tls_one_buffer_gbps": gbps(total, min(tls_whole)),
+        "raw_tls_framed_gbps": gbps(total, min(tls_framed)),
+        "raw_tls_gbps": gbps(total, min(raw_tls_best)),  # the faster of the two
+        # seconds of the baseline over the load's, round by round: its throughput ratio
+        "mac_vs_plain_rounds": [p / m for p, m in zip(plain, mac)],
+        "tls_vs_raw_tls_rounds": [r / t for r, t in zip(raw_tls_best, tls)],
+        "seconds_by_round": {"plain": plain, "mac": mac, "tls": tls, "raw_tls": raw_tls_best},
+        # CPU time of every process a run used, per GB: unlike throughput, not shifted by other work on the machine
+        "cpu_ms_per_gb": {name: statistics.median(seconds) / total * 1e12 for name, seconds in cpu.items()},
+        "connections": {
+            mode: {who: sum(1 for seen, _ in connections[mode] if seen == who) for who in ("engine", "reading daemon")}
+            for mode in SECURE_MODES
+        },
+    }
+
+
+def connections_to(pid: int, port: int) -> set[int]:
+    """The local ports of the TCP connections process ``pid`` holds open to ``port`` (Linux /proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, remote, inode = fields[1], fields[2], fields[9]
+            if inode in inodes and int(remote.rsplit(":", 1)[1], 16) == port:
+                ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports
+
+
+def secure_remote_fetches(report: Report, quick: bool) -> None:
+    from bench.transport import median_round, spread
+
+    total, rounds = (64 * MiB, FETCH_ROUNDS) if quick else (256 * MiB, SECURE_ROUNDS)
+    fetch = secure_remote_load(total, rounds)
+    report.results.append({"secure_remote_load": fetch})
+    seconds = fetch["seconds_by_round"]
+    for name, measured, baseline, target in (("mac_vs_plain", "mac", "plain", ">= 0.7"), ("tls_vs_raw_tls", "tls", "raw_tls", ">= 0.8")):
+        measured_s, baseline_s = median_round(seconds[measured], seconds[baseline])
+        report.compare(f"remote_load_{name}", gbps(total, measured_s), gbps(total, baseline_s), "GB/s", target)
+        report.compare(f"remote_load_{name}_best", fetch[f"{measured}_gbps"], fetch[f"{baseline}_gbps"], "GB/s")
+    report.print_table(
+        f"remote load with peer authentication, {total // MiB} MiB of 1 MiB blocks held by another daemon (GB/s, best of {rounds} "
+        "in turns; plain: no authentication; MAC: a fleet secret, every frame's MAC (AES-256-GCM tag) checked by the engine; "
+        "TLS: mutual TLS 1.3; raw: sockets between two processes, the faster of one sendall and 1 MiB frames with kvstore's headers "
+        "and checksums; raw tls: the same through TLS with the daemons' certificates; ratios round by round: median [min, max])",
+        ["raw tcp", "plain", "MAC", "MAC/plain", "raw tls 1 sendall", "raw tls frames", "TLS", "TLS/faster raw tls"],
+        [
+            [
+                fetch["raw_tcp_gbps"],
+                fetch["plain_gbps"],
+                fetch["mac_gbps"],
+                spread(fetch["mac_vs_plain_rounds"]),
+                fetch["raw_tls_one_buffer_gbps"],
+                fetch["raw_tls_framed_gbps"],
+                fetch["tls_gbps"],
+                spread(fetch["tls_vs_raw_tls_rounds"]),
+            ]
+        ],
+    )
+    cpu = fetch["cpu_ms_per_gb"]
+    report.compare("remote_load_mac_cpu_vs_plain", cpu["mac"], cpu["plain"], "CPU ms/GB")
+    report.compare("remote_load_tls_cpu_vs_raw_tls", cpu["tls"], cpu["raw_tls_framed"], "CPU ms/GB")
+    columns = ["raw_tcp_whole", "raw_tcp_framed", "plain", "mac", "raw_tls_whole", "raw_tls_framed", "tls"]
+    report.print_table(
+        "CPU per GB of the remote loads and the raw sockets (ms, every process of the run together: engine, holder and reading "
+        "daemon; sender and receiver; median of the rounds)",
+        columns,
+        [[cpu[name] for name in columns]],
+    )
+    rows = []
+    for mode in SECURE_MODES:
+        opened = fetch["connections"][mode]
+        report.ratio(f"remote_load_{mode}_connections", opened["engine"], "<= 1")
+        rows.append([mode, fetch["loads_per_mode"], opened["engine"], opened["reading daemon"]])
+    report.print_table(
+        "peer connections the remote loads opened to the holder (each connection seen open after a load, by its local port)",
+        ["mode", "loads", "by the engine", "by its daemon"],
+        rows,
+    )
+
+
 def cold_save(srcs: list[torch.Tensor], hashes: list, total: int) -> float:
     """Seconds of the first save into a fresh daemon, by a client that has just connected:
     the daemon started (its host tier as large as the main run's), became ready, and the
@@ -380,16 +574,18 @@ def cold_save(srcs: list[torch.Tensor], hashes: list, total: int) -> float:
 
 
 @contextlib.contextmanager
-def raw_socket(total: int) -> Iterator[Callable[[int], float]]:
-    """A raw socket to another process (bench.transport's); each call times ``total`` bytes
-    sent in blocks of the size it is given: one ``sendall`` when that is ``total``, else
-    each block's header and payload in one ``sendmsg``, checksummed and verified."""
-    from bench.transport import RawSocketLink
+def raw_socket(total: int, tls: dict[str, str] | None = None) -> Iterator[tuple[Callable[[int], float], int]]:
+    """A raw socket to another process (bench.transport's), through TLS with the files
+    ``tls`` names, and the sender's pid; each call times ``total`` bytes sent in blocks of
+    the size it is given: one ``sendall`` when that is ``total``, else each block behind
+    its header (one ``sendmsg``; two ``sendall`` through TLS), checksummed and verified."""
+    from bench.transport import RawSocketLink, RawTlsLink
 
+    destination = memoryview(bytearray(total))
     with asyncio.Runner() as runner:
-        link = runner.run(RawSocketLink(memoryview(bytearray(total))).__aenter__())
+        link = runner.run((RawSocketLink(destination) if tls is None else RawTlsLink(destination, tls)).__aenter__())
         try:
-            yield lambda block_bytes: runner.run(link.run(block_bytes))
+            yield (lambda block_bytes: runner.run(link.run(block_bytes))), link.sender.pid
         finally:
             runner.run(link.__aexit__(None, None, None))
 
@@ -411,7 +607,7 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
 
 
 def _only_flag(parser) -> None:
-    parser.add_argument("--remote-fetch-only", action="store_true", help="run only the remote fetch against the raw socket")
+    parser.add_argument("--remote-fetch-only", action="store_true", help="run only the remote fetches against raw sockets")
 
 
 def remote_fetches(report: Report, quick: bool) -> None:
@@ -472,6 +668,7 @@ def main() -> None:
     if args.remote_fetch_only:
         report = Report("daemon")
         remote_fetches(report, args.quick)
+        secure_remote_fetches(report, args.quick)
         report.emit(args.json)
         return
     total = (128 if args.quick else 512) * MiB
@@ -629,6 +826,7 @@ def main() -> None:
     report.ratio("asleep_daemon_lookup_512_p50_us", result["asleep_daemon_lookup_p50_us"])
     report.ratio("grpc_lookup_512_p50_us", result["grpc_lookup_p50_us"])
     remote_fetches(report, args.quick)
+    secure_remote_fetches(report, args.quick)
     lag = loop_lag(25_000 if args.quick else 100_000)
     report.results.append({"loop_lag": lag})
     report.print_table(

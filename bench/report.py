@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Report", "parse_args", "best_of", "best_in_turns", "gbps"]
+__all__ = ["Report", "parse_args", "best_of", "best_in_turns", "timings_in_turns", "gbps"]
 
 _OPERATORS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
 
@@ -44,7 +44,12 @@ def best_in_turns(rounds: int, runs: list[Callable[[], float]]) -> list[float]:
     """The fastest timing of each of ``runs``, which take turns for ``rounds`` rounds: a
     measurement and the baseline it is divided by see the same machine, however its load
     changes during the run."""
-    return [min(seconds) for seconds in zip(*([run() for run in runs] for _ in range(rounds)))]
+    return [min(seconds) for seconds in timings_in_turns(rounds, runs)]
+
+
+def timings_in_turns(rounds: int, runs: list[Callable[[], float]]) -> list[list[float]]:
+    """Every timing of each of ``runs``, which take turns for ``rounds`` rounds, in round order."""
+    return [list(seconds) for seconds in zip(*([run() for run in runs] for _ in range(rounds)))]
 
 
 def median_of(repeats: int, run: Callable[[], float]) -> float:

@@ -26,6 +26,39 @@ target): the layer runs on the schedule a GPU stream would give it over the meas
 arrival times (see `Consumer`), so it can only show how late blocks arrive, not whether a
 device keeps up. A consumer burning a host core is reported beside it. Idle cost: the cores the receiving process uses while its
 channel is open and idle; target ≤ 0.05.
+
+What peer authentication costs (transport/auth.py), over TCP, its links taking the same
+turns as the TCP links above, with the same block sizes and window:
+- MAC: the channel with a fleet secret (every frame's MAC, an AES-256-GCM tag, taken by the
+  sender and checked by the receiver, beside the checksum) against the same channel
+  unprotected (``mac_vs_plain_<size>``, target ≥ 0.7);
+- TLS: the channel over mutual TLS 1.3 against a raw TLS socket pair moving the same
+  bytes (``tls_vs_raw_tls_<size>``, target ≥ 0.8). The raw pair uses the contexts the
+  channel does (``transport.auth.tls_context`` over the same files: the same version and
+  cipher, printed) and does everything the channel does that is not its protocol: each
+  block behind kvstore's 96-byte header, whose XXH3-64 the sender takes in the loop and
+  the receiver verifies, as the channel's receiver does (TLS already guards the bytes on
+  the wire, but the channel checks the checksum its writer committed, end to end); the
+  sender ``sendall``s the header, then the payload (an SSL socket does not gather); the
+  receiver ``recv_into``s each into its slot of the preallocated destination, woken as
+  kvstore's receiver is (SO_RCVLOWAT), less one TLS record (see `RawTlsLink`). Its one
+  ``sendall`` of everything is shown beside;
+- the handshake: what it adds before a new connection's first answer, against one
+  control round trip (a 64-byte CONTROL frame and its echo) on an established channel of
+  the same mode (``handshake_<mode>_vs_round_trip``, target ≤ 1.5: the handshake is one
+  round trip, plus the hashing and the task start-up of its two ends). It is the time
+  to connect and get the first answer, ``connect()`` and a first round trip on the
+  channel, less the same over a raw socket to a raw echo server in the same process as
+  kvstore's (the address lookup, the TCP connect, with TLS the TLS handshake with the
+  same contexts, then a round trip of the same size): the raw side too waits for its
+  server to accept and, with TLS, to finish its side of the TLS handshake (it checks the
+  client's certificate once the client's side is done). Samples taken in turns; the
+  best of each targeted, the medians beside;
+- CPU per GB moved, the sender's and the receiver's together (exact, from schedstat):
+  unlike throughput, it does not move with what else the machine runs.
+The targeted ratios are those of the round with the median ratio (both figures measured
+in that round), as the best runs of two links may come from different moments of a busy
+machine; the ratios of the best runs (``…_best``) and the range round by round beside.
 """
 
 from __future__ import annotations
@@ -35,21 +68,30 @@ import collections
 import concurrent.futures
 import contextlib
 import functools
+import json
+import secrets
 import select
 import socket
+import ssl
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from bench.report import Report, gbps, parse_args, timed
+from bench.transport_sender import recv_exactly, send_all, tls_handshake
 from kvstore.errors import CorruptBlock, TransportUnavailable
+from kvstore.transport.auth import tls_context
+from kvstore.transport.base import split_address
 from kvstore.transport.config import TransportConfig
 from kvstore.transport.factory import open_transport
 from kvstore.transport.peer import Landing
-from kvstore.transport.tcp import WAKE_BYTES
+from kvstore.transport.tcp import WAKE_BYTES, tune
 from kvstore.transport.ucx import UcxPoster, import_ucxx
 from kvstore.transport.wire import HEADER_BYTES, FrameHeader, FrameKind, control_header, encode_control
 
@@ -63,17 +105,46 @@ IDLE_SECONDS = 2.0
 RAW_WAIT_S = 60.0  # the raw receiver gives up after this long without a byte
 WINDOW = TransportConfig().window_blocks
 ROOT = Path(__file__).resolve().parent.parent
+ROUND_TRIP_BYTES = 64  # the control round trip a handshake is set against
+TLS_RECORD_BYTES = 5 + (1 << 14) + 256  # the most ciphertext of one TLS 1.3 record: header, content, expansion
+SECURITY_MODES = ("plain", "mac", "tls")
+# (ratio, the link measured, its baseline, target)
+SECURE_RATIOS = (("mac_vs_plain", "kvstore_tcp_mac", "kvstore_tcp", ">= 0.7"), ("tls_vs_raw_tls", "kvstore_tcp_tls", "raw_tls", ">= 0.8"))
+
+
+def fleet_credentials(directory: Path) -> dict[str, dict[str, str]]:
+    """The `TransportConfig` fields of each way peers authenticate, their files written
+    into ``directory``: ``plain`` (nothing), ``mac`` (a fleet secret; no TLS, so every
+    frame carries a MAC) and ``tls`` (mutual TLS with certificates of a test CA)."""
+    import trustme  # the dev extra's test CA
+
+    def private(path: Path) -> str:
+        path.chmod(0o600)
+        return str(path)
+
+    secret = directory / "peer-secret"
+    secret.write_text(secrets.token_hex(32))
+    authority = trustme.CA()
+    issued = authority.issue_cert("127.0.0.1", "localhost")
+    issued.cert_chain_pems[0].write_to_path(str(directory / "node.pem"))
+    issued.private_key_pem.write_to_path(str(directory / "node.key"))
+    authority.cert_pem.write_to_path(str(directory / "ca.pem"))
+    return {
+        "plain": {},
+        "mac": {"peer_secret_file": private(secret)},
+        "tls": {"tls_cert": str(directory / "node.pem"), "tls_key": private(directory / "node.key"), "tls_ca": str(directory / "ca.pem")},
+    }
 
 
 # -- links: one sender process each, run(block_bytes) -> seconds ---------------------
 class FramedLink:
     """kvstore's transport: frames with checksums, each payload received into its slice."""
 
-    def __init__(self, kind: str, destination: memoryview) -> None:
-        self.kind, self.destination = kind, destination
+    def __init__(self, kind: str, destination: memoryview, security: dict[str, str] | None = None) -> None:
+        self.kind, self.destination, self.security = kind, destination, security or {}
 
     async def __aenter__(self) -> FramedLink:
-        self.transport = open_transport(TransportConfig(kind=self.kind, window_blocks=WINDOW))
+        self.transport = open_transport(TransportConfig(kind=self.kind, window_blocks=WINDOW, **self.security))
         accepted: asyncio.Queue = asyncio.Queue()
         self.finished = asyncio.Event()
 
@@ -82,7 +153,7 @@ class FramedLink:
             await self.finished.wait()
 
         address = await self.transport.listen("127.0.0.1", 0, on_channel)
-        self.sender = start_sender(f"kvstore-{self.kind}", address, len(self.destination))
+        self.sender = start_sender(f"kvstore-{self.kind}", address, len(self.destination), self.security)
         self.channel = await asyncio.wait_for(accepted.get(), 60)
         return self
 
@@ -161,25 +232,73 @@ class RawSocketLink:
         than the rest still to come."""
         got = 0
         while got < len(view):
-            try:
-                count = self.conn.recv_into(view[got:], 0, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                wake_bytes = min(len(view) - got, WAKE_BYTES)
+            count = self.recv_some(view[got:])
+            if count is None:
+                wake_bytes = self.wake_threshold(min(len(view) - got, WAKE_BYTES))
                 if wake_bytes != self.wake_bytes:
                     self.conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, wake_bytes)
                     self.wake_bytes = wake_bytes
                 if not select.select([self.conn], [], [], RAW_WAIT_S)[0]:
-                    raise TimeoutError(f"the raw-tcp sender sent nothing for {RAW_WAIT_S:.0f} s") from None
+                    raise TimeoutError(f"the raw sender sent nothing for {RAW_WAIT_S:.0f} s")
                 continue
             if not count:
-                raise ConnectionError("the raw-tcp sender closed the connection")
+                raise ConnectionError("the raw sender closed the connection")
             got += count
+
+    def wake_threshold(self, nbytes: int) -> int:
+        """How many bytes to be woken at, for ``nbytes`` still to receive."""
+        return nbytes
+
+    def recv_some(self, view: memoryview) -> int | None:
+        """One receive into ``view``: how many bytes came (0: the sender closed), None when
+        nothing was there."""
+        try:
+            return self.conn.recv_into(view, 0, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
 
     async def __aexit__(self, *exc_info) -> None:
         with contextlib.suppress(OSError):
             self.conn.sendall(bytes(8))
         stop_sender(self.sender)
         self.conn.close()
+
+
+class RawTlsLink(RawSocketLink):
+    """`RawSocketLink` through TLS: a Python ``ssl`` socket pair with the contexts kvstore's
+    channel makes from the same files (``tls_context``), the sender's blocking ``sendall``
+    of each header and then its payload, this side's non-blocking ``recv_into`` (one read
+    per TLS record: an SSL socket does not scatter) woken as kvstore's TLS channel is, less
+    one record: OpenSSL may already hold part of the record the rest of the bytes finish,
+    and a wait for all of them stalled here when the last record arrived in parts."""
+
+    def __init__(self, destination: memoryview, security: dict[str, str]) -> None:
+        super().__init__(destination)
+        self.security = security
+        self.context = tls_context(security["tls_cert"], security["tls_key"], security["tls_ca"], server_side=True)
+
+    async def __aenter__(self) -> RawTlsLink:
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            server.settimeout(60)
+            self.sender = start_sender("raw-tls", f"tcp://127.0.0.1:{server.getsockname()[1]}", len(self.destination), self.security)
+            conn, _ = server.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.settimeout(60)
+        self.conn = self.context.wrap_socket(conn, server_side=True)
+        self.conn.setblocking(False)
+        self.cipher = self.conn.cipher()  # (name, protocol, bits)
+        return self
+
+    def wake_threshold(self, nbytes: int) -> int:
+        return max(1, nbytes - TLS_RECORD_BYTES)
+
+    def recv_some(self, view: memoryview) -> int | None:
+        try:
+            return self.conn.recv_into(view)
+        except ssl.SSLWantReadError:
+            return None
+        except ssl.SSLZeroReturnError:
+            return 0
 
 
 class RawUcxLink:
@@ -224,8 +343,8 @@ class RawUcxLink:
         self.listener.close()
 
 
-def start_sender(mode: str, address: str, total_bytes: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "bench.transport_sender", mode, address, str(total_bytes), str(WINDOW)]
+def start_sender(mode: str, address: str, total_bytes: int, security: dict[str, str] | None = None) -> subprocess.Popen:
+    command = [sys.executable, "-m", "bench.transport_sender", mode, address, str(total_bytes), str(WINDOW), json.dumps(security or {})]
     return subprocess.Popen(command, cwd=ROOT)
 
 
@@ -337,28 +456,157 @@ async def bench_overlap(link: FramedLink, kind: str, repeats: int) -> dict:
     }
 
 
-async def bench_links(total_bytes: int, has_ucx: bool, repeats: int) -> dict:
-    """Best seconds per (link, block size). TCP runs first, before UCX starts in this
-    process (ucxx's blocking progress keeps the event loop busy, which would slow every
-    other measurement); within a family the links take turns, so that each sees the same
-    machine (other work on it shifts every figure alike)."""
+async def bench_links(total_bytes: int, has_ucx: bool, repeats: int, credentials: dict[str, dict[str, str]]) -> tuple[dict, dict]:
+    """Best seconds per (link, block size), and every round's seconds and CPU seconds
+    (``"cpu", link, block size``: the sender's and this receiving process's). TCP runs first,
+    before UCX starts in this process (ucxx's blocking progress keeps the event loop busy,
+    which would slow every other measurement); within a family the links take turns, so
+    that each sees the same machine (other work on it shifts every figure alike). The TCP
+    family has the secured channels and the raw TLS socket too."""
     destination = memoryview(bytearray(total_bytes))
     families = [("tcp", RawSocketLink(destination))] + ([("ucx", RawUcxLink(destination))] if has_ucx else [])
     best: dict = {}
+    rounds: dict = collections.defaultdict(list)
     for kind, raw_link in families:
-        # the framed link closes last: closing the last kvstore UCX transport resets ucxx
-        async with FramedLink(kind, destination) as framed, raw_link:
-            links = {f"raw_{kind}": raw_link, f"kvstore_{kind}": framed}
+        async with contextlib.AsyncExitStack() as stack:
+            # the framed link closes last: closing the last kvstore UCX transport resets ucxx
+            framed = await stack.enter_async_context(FramedLink(kind, destination))
+            links = {f"raw_{kind}": await stack.enter_async_context(raw_link), f"kvstore_{kind}": framed}
+            if kind == "tcp":
+                links["kvstore_tcp_mac"] = await stack.enter_async_context(FramedLink("tcp", destination, credentials["mac"]))
+                links["raw_tls"] = await stack.enter_async_context(RawTlsLink(destination, credentials["tls"]))
+                links["kvstore_tcp_tls"] = await stack.enter_async_context(FramedLink("tcp", destination, credentials["tls"]))
+                best["tls_cipher"] = links["raw_tls"].cipher
             for _ in range(repeats):
                 for block_bytes in (total_bytes, *BLOCK_SIZES):  # total_bytes: the raw link's one message
                     for name, link in links.items():
                         if block_bytes < total_bytes or name.startswith("raw"):
+                            cpu_before = time.process_time() + cpu_seconds(link.sender.pid)
                             seconds = await link.run(block_bytes)
+                            rounds["cpu", name, block_bytes].append(time.process_time() + cpu_seconds(link.sender.pid) - cpu_before)
+                            rounds[name, block_bytes].append(seconds)
                             best[name, block_bytes] = min(seconds, best.get((name, block_bytes), seconds))
             for compute in OVERLAP_COMPUTE:
                 best["overlap", kind, compute] = await bench_overlap(framed, compute, max(repeats, OVERLAP_REPEATS))
             best["idle_cpu", kind] = await idle_cpu(IDLE_SECONDS)
-    return best
+    return best, rounds
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time process ``pid`` has used, all its threads (Linux schedstat: ns, exact)."""
+    return sum(int((task / "schedstat").read_text().split()[0]) for task in Path(f"/proc/{pid}/task").iterdir()) / 1e9
+
+
+# -- the handshake ---------------------------------------------------------------------
+@contextlib.contextmanager
+def echo_servers(security: dict[str, str]) -> Iterator[tuple[str, str]]:
+    """The addresses of a kvstore TCP transport that echoes control frames and of a raw
+    socket server (TLS where ``security`` has it) that echoes messages of a control frame's
+    size, both in another process (bench/transport_sender.py)."""
+    message_bytes = HEADER_BYTES + ROUND_TRIP_BYTES
+    command = [
+        sys.executable,
+        "-m",
+        "bench.transport_sender",
+        "echo-tcp",
+        "127.0.0.1",
+        str(message_bytes),
+        str(WINDOW),
+        json.dumps(security),
+    ]
+    process = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        kvstore_address, raw_address = process.stdout.readline().split()
+        yield kvstore_address, raw_address
+    finally:
+        process.stdin.close()
+        stop_sender(process)
+
+
+async def bench_handshakes(credentials: dict[str, dict[str, str]], samples: int) -> dict[tuple[str, str], dict[str, float]]:
+    """The best and the median µs per security mode (``(mode, "best" or "median")``) of
+    samples taken in turns against servers in another process:
+    - ``bare_connect``: what ``connect()`` does besides kvstore's handshake (the address
+      lookup, the TCP connect, the TLS handshake where there is TLS);
+    - ``connect``: ``connect()``, which returns an authenticated channel;
+    - ``raw_first_reply``: a bare connect to a raw echo server and the first round trip of
+      a control frame's size on it (which waits for the server to accept, and, with TLS,
+      to finish its side of the TLS handshake: the server checks the client's certificate
+      after the client's side is done);
+    - ``first_reply``: ``connect()`` and the first control round trip on that channel;
+    - ``round_trip``: a control round trip on an established channel.
+    ``handshake`` = first_reply − raw_first_reply: what kvstore's handshake adds before a
+    new connection's first answer."""
+    result = {}
+    for mode in SECURITY_MODES:
+        security = credentials[mode]
+        with echo_servers(security) as (address, raw_address):
+            transport = open_transport(TransportConfig(kind="tcp", **security))
+            tls = transport.auth.client_tls
+            try:
+                channel = await transport.connect(address)
+                timings: dict[str, list[float]] = collections.defaultdict(list)
+                for _ in range(samples):
+                    timings["bare_connect"].append((await bare_connect(raw_address, tls, round_trips=0))[0])
+                    timings["raw_first_reply"].append(sum(await bare_connect(raw_address, tls, round_trips=1)))
+                    timings["connect"].append((await kvstore_connect(transport, address, round_trips=0))[0])
+                    timings["first_reply"].append(sum(await kvstore_connect(transport, address, round_trips=1)))
+                    timings["round_trip"].append(await round_trip(channel))
+            finally:
+                await transport.close()
+        for statistic, of in (("best", min), ("median", statistics.median)):
+            figures = {f"{name}_us": of(seconds) * 1e6 for name, seconds in timings.items()}
+            result[mode, statistic] = {**figures, "handshake_us": figures["first_reply_us"] - figures["raw_first_reply_us"]}
+    return result
+
+
+async def bare_connect(address: str, tls: ssl.SSLContext | None, round_trips: int) -> list[float]:
+    """Seconds of what ``TcpTransport.connect`` does besides kvstore's handshake (the
+    address lookup, a tuned socket's connect, with ``tls`` the TLS handshake; under the
+    same timeouts), then of each of ``round_trips`` round trips of a control frame's size."""
+    loop = asyncio.get_running_loop()
+    host, port = split_address(address, "tcp")
+    start = time.perf_counter()
+    family, _, _, _, sockaddr = (await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), 5))[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        tune(sock)
+        await asyncio.wait_for(loop.sock_connect(sock, sockaddr), 5)
+        if tls is not None:
+            sock = tls.wrap_socket(sock, do_handshake_on_connect=False, server_hostname=host)
+            await tls_handshake(sock)
+        seconds = [time.perf_counter() - start]
+        message = memoryview(bytearray(HEADER_BYTES + ROUND_TRIP_BYTES))
+        for _ in range(round_trips):
+            start = time.perf_counter()
+            await send_all(sock, message)
+            await recv_exactly(sock, message)
+            seconds.append(time.perf_counter() - start)
+        return seconds
+    finally:
+        sock.close()
+
+
+async def kvstore_connect(transport, address: str, round_trips: int) -> list[float]:
+    """Seconds of ``connect()``, then of each of ``round_trips`` control round trips."""
+    start = time.perf_counter()
+    channel = await transport.connect(address)
+    seconds = [time.perf_counter() - start]
+    try:
+        for _ in range(round_trips):
+            seconds.append(await round_trip(channel))
+    finally:
+        await channel.close()
+    return seconds
+
+
+async def round_trip(channel) -> float:
+    payload = bytes(ROUND_TRIP_BYTES)
+    start = time.perf_counter()
+    await channel.send(control_header(FrameKind.CONTROL, 1, payload), payload)
+    reply = await channel.recv_header()
+    await channel.recv_bytes(reply)
+    return time.perf_counter() - start
 
 
 async def idle_cpu(seconds: float) -> float:
@@ -373,9 +621,111 @@ def label_of(block_bytes: int) -> str:
     return f"{block_bytes // KiB}KiB" if block_bytes < MiB else f"{block_bytes // MiB}MiB"
 
 
+def secure_table(report: Report, total: int, repeats: int, best: dict, rounds: dict) -> None:
+    """The MAC'd channel against the plain one, the TLS channel against the raw TLS socket."""
+    rows = []
+    for block_bytes in BLOCK_SIZES:
+        label = label_of(block_bytes)
+        row = {"secure_block_bytes": block_bytes}
+        for name in ("kvstore_tcp", "kvstore_tcp_mac", "raw_tls", "kvstore_tcp_tls"):
+            row[name] = gbps(total, best[name, block_bytes])
+        row["raw_tls_1buf"] = gbps(total, best["raw_tls", total])
+        spreads = {}
+        for ratio, measured, baseline, target in SECURE_RATIOS:
+            # seconds of the baseline over the link's, round by round: its throughput ratio
+            per_round = [b / m for m, b in zip(rounds[measured, block_bytes], rounds[baseline, block_bytes])]
+            spreads[ratio] = per_round
+            row[f"{ratio}_rounds"] = per_round
+            measured_s, baseline_s = median_round(rounds[measured, block_bytes], rounds[baseline, block_bytes])
+            report.compare(f"{ratio}_{label}", gbps(total, measured_s), gbps(total, baseline_s), "GB/s", target)
+            report.compare(f"{ratio}_{label}_best", row[measured], row[baseline], "GB/s")
+        report.results.append(row)
+        rows.append(
+            [
+                label,
+                row["kvstore_tcp"],
+                row["kvstore_tcp_mac"],
+                spread(spreads["mac_vs_plain"]),
+                row["raw_tls_1buf"],
+                row["raw_tls"],
+                row["kvstore_tcp_tls"],
+                spread(spreads["tls_vs_raw_tls"]),
+            ]
+        )
+    name, protocol, bits = best["tls_cipher"]
+    report.print_table(
+        f"peer authentication over TCP (GB/s, best of {repeats}, {total // MiB} MiB from a sender process, in turns with the links above; "
+        f"MAC: a fleet secret, every frame's MAC (AES-256-GCM tag) taken and checked; TLS: {protocol} {name} ({bits}-bit), mutual; "
+        "raw tls framed: the same blocks behind kvstore's header, XXH3 checked, over a Python ssl socket pair; "
+        "ratios round by round: median [min, max])",
+        ["block", "kv plain", "kv MAC", "MAC/plain", "raw tls 1 buf", "raw tls framed", "kv TLS", "TLS/raw tls"],
+        rows,
+    )
+    # CPU time does not depend on how busy the rest of the machine is, as throughput does
+    cpu_links = ("raw_tcp", "kvstore_tcp", "kvstore_tcp_mac", "raw_tls", "kvstore_tcp_tls")
+    cpu_rows = []
+    for block_bytes in BLOCK_SIZES:
+        label = label_of(block_bytes)
+        ms_per_gb = {name: statistics.median(rounds["cpu", name, block_bytes]) / total * 1e12 for name in cpu_links}
+        report.results.append({"cpu_ms_per_gb": ms_per_gb, "block_bytes": block_bytes})
+        report.compare(f"mac_cpu_vs_plain_{label}", ms_per_gb["kvstore_tcp_mac"], ms_per_gb["kvstore_tcp"], "CPU ms/GB")
+        report.compare(f"tls_cpu_vs_raw_tls_{label}", ms_per_gb["kvstore_tcp_tls"], ms_per_gb["raw_tls"], "CPU ms/GB")
+        cpu_rows.append([label] + [ms_per_gb[name] for name in cpu_links])
+    report.print_table(
+        "CPU per GB moved (ms, the sender's and the receiver's together, median of the rounds above)",
+        ["block", "raw tcp framed", "kv plain", "kv MAC", "raw tls framed", "kv TLS"],
+        cpu_rows,
+    )
+
+
+def handshake_table(report: Report, handshakes: dict[tuple[str, str], dict[str, float]], samples: int) -> None:
+    """The handshake against a round trip: the best samples (the least disturbed by the rest
+    of the machine, as the throughputs' best runs) targeted, their medians beside."""
+    rows = []
+    for (mode, statistic), figures in handshakes.items():
+        report.results.append({"handshake": mode, "statistic": statistic, **figures})
+        name = f"handshake_{mode}_vs_round_trip" + ("" if statistic == "best" else "_median")
+        report.compare(name, figures["handshake_us"], figures["round_trip_us"], "µs", "<= 1.5" if statistic == "best" else None)
+        rows.append(
+            [
+                mode,
+                statistic,
+                figures["bare_connect_us"],
+                figures["connect_us"],
+                figures["raw_first_reply_us"],
+                figures["first_reply_us"],
+                figures["handshake_us"],
+                figures["round_trip_us"],
+                figures["handshake_us"] / figures["round_trip_us"],
+            ]
+        )
+    report.print_table(
+        f"connecting (µs, the best and the median of {samples} in turns, to servers in another process; "
+        "bare: the address lookup, the TCP connect and, with TLS, the TLS handshake; connect(): that and kvstore's handshake; "
+        "first reply: connecting and the first round trip of a control frame's size, to a raw echo server (raw) or on the channel; "
+        "handshake: the difference of the first replies; round trip: on an established channel)",
+        ["mode", "of samples", "bare", "connect()", "raw first reply", "first reply", "handshake", "round trip", "handshake/rt"],
+        rows,
+    )
+
+
+def median_round(measured: list[float], baseline: list[float]) -> tuple[float, float]:
+    """The seconds of a link and of its baseline in the round whose ratio (baseline ÷ link:
+    the throughput ratio) is the median of the rounds. Both ran in that round, on the same
+    machine; the best runs of each may come from different rounds, and on a machine whose
+    other work comes and goes the shorter run is the likelier to fall in a quiet moment."""
+    order = sorted(range(len(measured)), key=lambda index: baseline[index] / measured[index])
+    middle = order[(len(order) - 1) // 2]
+    return measured[middle], baseline[middle]
+
+
+def spread(ratios: list[float]) -> str:
+    return f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]"
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
-    total, repeats = (32 * MiB, 3) if args.quick else (64 * MiB, 7)
+    total, repeats, handshake_samples = (32 * MiB, 3, 100) if args.quick else (64 * MiB, 7, 500)
     torch.set_num_threads(1)  # the consumer is one thread, as a layer's host-side work would be
     report = Report("transport")
     try:
@@ -384,7 +734,10 @@ def main() -> None:
     except TransportUnavailable as exc:
         print(f"UCX rows skipped: {exc}")
         has_ucx = False
-    best = asyncio.run(bench_links(total, has_ucx, repeats))
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-transport-") as directory:
+        credentials = fleet_credentials(Path(directory))
+        best, rounds = asyncio.run(bench_links(total, has_ucx, repeats, credentials))
+        handshakes = asyncio.run(bench_handshakes(credentials, handshake_samples))
 
     # (column, link, block size or None for "this row's", ratio name of kvstore / it)
     measures = [
@@ -417,6 +770,9 @@ def main() -> None:
         ["block"] + [column for column, *_ in measures],
         rows,
     )
+
+    secure_table(report, total, repeats, best, rounds)
+    handshake_table(report, handshakes, handshake_samples)
 
     overlap_rows = []
     for kind in ("tcp", "ucx") if has_ucx else ("tcp",):

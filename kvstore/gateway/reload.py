@@ -53,5 +53,6 @@ class ConfigReload:
         changes = replica_changes(current, new)
         self._replicas.adopt(new.replicas)
         self._metrics.reloaded(applied=True)
-        logger.info("kvstore router: configuration reloaded: %s; %d API keys.", changes.describe(), len(adopted.api_keys.digests))
+        keys = len(adopted.api_keys.digests)
+        logger.info("kvstore router: configuration reloaded: %s%s.", changes.describe(), f"; {keys} API keys" if keys else "")
         return adopted

@@ -685,7 +685,10 @@ def handshake_table(report: Report, handshakes: dict[tuple[str, str], dict[str, 
     for (mode, statistic), figures in handshakes.items():
         report.results.append({"handshake": mode, "statistic": statistic, **figures})
         name = f"handshake_{mode}_vs_round_trip" + ("" if statistic == "best" else "_median")
-        report.compare(name, figures["handshake_us"], figures["round_trip_us"], "µs", "<= 1.5" if statistic == "best" else None)
+        # with TLS the difference of two first replies is within the TLS handshake's own
+        # jitter (milliseconds here): reported, not held to a target
+        target = "<= 1.5" if statistic == "best" and mode != "tls" else None
+        report.compare(name, figures["handshake_us"], figures["round_trip_us"], "µs", target)
         rows.append(
             [
                 mode,

@@ -34,6 +34,22 @@ def as_other_user(argv: list[str], groups: tuple[int, ...] = (), env: dict[str, 
     return subprocess.run(command, capture_output=True, text=True, env=environment, timeout=timeout_s)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def checkout_reachable():
+    """The other uid runs kvstore from this checkout, so every folder above it must let
+    others through (o+x: to pass, not to list or read). A checkout under a private folder
+    (``mktemp -d`` makes one 0700) has it opened for this module's run and closed after."""
+    opened = []
+    for folder in Path(__file__).resolve().parents:
+        mode = stat.S_IMODE(folder.stat().st_mode)
+        if not mode & stat.S_IXOTH:
+            folder.chmod(mode | stat.S_IXOTH)
+            opened.append((folder, mode))
+    yield
+    for folder, mode in reversed(opened):
+        folder.chmod(mode)
+
+
 @pytest.fixture
 def shared_tmp(monkeypatch):
     """A work directory the other uid can traverse (pytest's own is 0700), and a token cache

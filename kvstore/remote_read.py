@@ -55,10 +55,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, PermissionDenied, TransferFailed, raise_error
+from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, TransferFailed, raise_error
 from kvstore.hashing import BlockHash
 from kvstore.localproto import pack_hashes
-from kvstore.transport.auth import HANDSHAKE_BYTES, ClientHandshake, PeerAuth, Seal, tls_context
+from kvstore.transport.auth import ClientHandshake, PeerAuth, Seal, check_handshake_header, handshake_message, tls_context
 from kvstore.transport.base import split_address
 from kvstore.transport.tcp import TLS_RECORD_BYTES
 from kvstore.transport.wire import HEADER_BYTES, FrameHeader, FrameKind, control_header, decode_control, encode_control
@@ -203,12 +203,8 @@ class PeerReader:
         handshake = ClientHandshake(auth, auth.client_tls is not None)
         stream.send_message(FrameKind.AUTH, 0, encode_control(handshake.hello()))
         header = stream.header()
-        if header.length > HANDSHAKE_BYTES or header.kind not in (FrameKind.AUTH, FrameKind.ERROR):
-            raise TransferFailed(f"the peer {address} did not answer the handshake.")
-        reply = decode_control(header, stream.payload(header.length))
-        if header.kind is FrameKind.ERROR:
-            raise PermissionDenied(f"the peer {address} refused this engine: {reply!r:.200}")
-        proof, established = handshake.finish(reply)
+        check_handshake_header(header)
+        proof, established = handshake.finish(handshake_message(header, stream.payload(header.length), address))
         if auth.key is not None:
             stream.send_message(FrameKind.AUTH, 0, encode_control(proof))
         connection.seal = established.seal

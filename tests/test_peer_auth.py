@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import re
@@ -248,8 +249,7 @@ def _forge(header: FrameHeader, payload: bytes) -> list[tuple[FrameHeader, bytes
     if header.kind is not FrameKind.BLOCK:
         return [(header, payload)]
     forged = bytes([payload[0] ^ 0xFF]) + payload[1:]
-    fields = {name: getattr(header, name) for name in FrameHeader.__slots__}
-    return [(FrameHeader(**{**fields, "checksum": xxhash.xxh3_64_intdigest(forged)}), forged)]
+    return [(dataclasses.replace(header, checksum=xxhash.xxh3_64_intdigest(forged)), forged)]
 
 
 def _replay(header: FrameHeader, payload: bytes) -> list[tuple[FrameHeader, bytes]]:

@@ -38,6 +38,7 @@ A refusal is an ERROR frame with a sentence, logged once a minute per source and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -70,6 +71,8 @@ __all__ = [
     "authenticate_client",
     "authenticate_server",
     "source_of",
+    "check_handshake_header",
+    "handshake_message",
 ]
 
 logger = logging.getLogger(__name__)
@@ -118,9 +121,9 @@ class Seal:
         return cls(to_server, to_client) if client_side else cls(to_client, to_server)
 
     def sign(self, header: FrameHeader, payload: Buffer) -> FrameHeader:
-        counted = _with(header, counter=self.sent)
+        counted = dataclasses.replace(header, counter=self.sent)
         self.sent += 1
-        return _with(counted, mac=self._mac(self._send, counted, payload))
+        return dataclasses.replace(counted, mac=self._mac(self._send, counted, payload))
 
     def check_order(self, header: FrameHeader) -> None:
         """CorruptBlock unless ``header`` is the next frame the peer sent (none dropped,
@@ -146,12 +149,6 @@ class Seal:
         return aead.encrypt(nonce, header.signed_part(), payload if header.length else None)[-MAC_BYTES:]
 
 
-def _with(header: FrameHeader, **changes: Any) -> FrameHeader:
-    fields = {name: getattr(header, name) for name in FrameHeader.__slots__}
-    fields.update(changes)
-    return FrameHeader(**fields)
-
-
 @dataclass(frozen=True, slots=True)
 class Authenticated:
     """What a completed handshake established about the other end."""
@@ -175,11 +172,6 @@ class PeerAuth:
     @property
     def required(self) -> bool:
         return self.key is not None or self.server_tls is not None or self.client_tls is not None
-
-    @property
-    def mode(self) -> str:
-        tls = self.server_tls is not None or self.client_tls is not None
-        return {(True, True): "secret+tls", (True, False): "secret", (False, True): "tls"}.get((self.key is not None, tls), "none")
 
     @classmethod
     def from_config(cls, config: TransportConfig, on_refused: Callable[[str], None] | None = None) -> PeerAuth:
@@ -363,13 +355,23 @@ async def _send(channel: Channel, message: dict[str, Any]) -> None:
 
 async def _receive(channel: Channel) -> Any:
     header = await channel.recv_header()
+    check_handshake_header(header)
+    return handshake_message(header, await channel.recv_bytes(header), channel.peer)
+
+
+def check_handshake_header(header: FrameHeader) -> None:
+    """Before a handshake frame's payload is received: its bound (HANDSHAKE_BYTES)."""
     if header.length > HANDSHAKE_BYTES:
         raise InvalidArgument(f"a handshake frame announced {header.length} bytes, over the {HANDSHAKE_BYTES}-byte bound.")
-    payload = await channel.recv_bytes(header)
+
+
+def handshake_message(header: FrameHeader, payload: bytes, peer: str) -> Any:
+    """The AUTH message a handshake frame carries; PermissionDenied for the peer's refusal,
+    InvalidArgument for any other kind of frame."""
     if header.kind is FrameKind.ERROR:
         refusal = decode_control(header, payload)
         sentence = refusal[1] if isinstance(refusal, list) and len(refusal) == 2 else "a malformed refusal"
-        raise PermissionDenied(f"the peer {channel.peer} refused the handshake: {sentence}")
+        raise PermissionDenied(f"the peer {peer} refused the handshake: {sentence}")
     if header.kind is not FrameKind.AUTH:
         raise InvalidArgument(f"a channel must open with the authentication handshake, not a {header.kind.name} frame.")
     return decode_control(header, payload)

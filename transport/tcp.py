@@ -212,9 +212,6 @@ class _TlsChannel(_TcpChannel):
     """A TCP channel through TLS: ``secure`` runs the TLS handshake, writes and reads go
     through the SSL socket (which neither gathers nor scatters)."""
 
-    def __init__(self, sock: ssl.SSLSocket, peer: str, frames_per_write: int, forget: Callable[[Channel], None]) -> None:
-        super().__init__(sock, peer, frames_per_write, forget)
-
     @property
     def encrypted(self) -> bool:
         return True

@@ -165,7 +165,14 @@ def main(ctx: click.Context, address: str | None, socket_path: str | None, token
 )
 @click.option("--set", "settings", multiple=True, metavar="SECTION.FIELD=VALUE", help="override one setting (repeatable).")
 def serve(config_path: Path | None, settings: tuple[str, ...]) -> None:
-    """Run the daemon on this host (until SIGTERM)."""
+    """Run the daemon on this host (until SIGTERM).
+
+    Its peer port listens on loopback by default. On any other transport.host it refuses
+    to start unless peers authenticate: transport.peer_secret_file (or
+    KVSTORE_TRANSPORT_PEER_SECRET, the same on every node) and/or mutual TLS
+    (transport.tls_cert, tls_key, tls_ca); transport.allow_unauthenticated = true runs it
+    open on a network you trust. At start it logs one 'security posture:' line per surface.
+    """
     from kvstore.config import load_config, parse_overrides
     from kvstore.daemon import run
 
@@ -652,6 +659,11 @@ def router(
     the candidates' daemons for their cached prefix, under router.daemon_timeout_s a
     call (one that does not answer holds nothing), and keeps sessions in its memory:
     run one router replica so; several that share sessions need a redis:// index.
+
+    Multi-tenant: API keys in router.api_keys_file (or KVSTORE_ROUTER_API_KEYS,
+    tenant:key,…) name each request's tenant; a request without a known key gets an
+    OpenAI 401. --set salt_from_tenant=true (with KVSTORE_ROUTER_SALT_SECRET) sets each
+    request's cache_salt from its tenant, so tenants never share KV.
     """
     try:
         from kvstore.gateway import ReplicaConfig, load_router_config, run_router

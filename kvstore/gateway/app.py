@@ -389,9 +389,7 @@ class Gateway:
                 self.live.record(session_id, decision.node_id, hashes, len(token_ids), now)
             replica = members[decision.node_id]
             uncached = max(len(token_ids) - decision.expected_cached_tokens, 0)
-            replica.in_flight += 1
-            replica.num_prefilling += 1
-            replica.queued_tokens += uncached
+            replica.sent(uncached)
             self.replicas.publish_load(replica)
             kind = _reason_kind(decision.reason)
             self.metrics.decisions.labels(kind).inc()

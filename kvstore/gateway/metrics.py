@@ -4,7 +4,9 @@ Per replica (its daemon's node id): router-observed time to first byte (TTFT for
 for a non-streaming request its first byte is its whole answer), prompt tokens and the
 prefill tokens the engine actually computed (its usage: prompt minus cached tokens), the
 token hit rate and its spread over the fleet (standard deviation and coefficient of
-variation), routing decisions by reason, session moves, retries, requests in flight.
+variation), routing decisions by reason, session moves, retries, requests in flight, and
+the engine's own running + waiting requests at the last health check with the part of them
+the router did not send (what routing prices for other clients' traffic, replicas.py).
 Per tenant (a header, else a digest of the API key), prompt, computed and cached tokens,
 and the cache bytes and blocks its recent chains hold (tenant_cache.py); the first
 ``max_tenants`` tenants seen get a label each, any later one shares ``other``, so a client
@@ -100,8 +102,17 @@ class RouterMetrics:
         )
         self.engine_requests = Gauge(
             "kvstore_router_engine_requests",
-            "Requests running and waiting on a replica's engine, as its /metrics said at the last health check "
-            "(routing prices the more of this and what the router sent it)",
+            "Requests running and waiting on a replica's engine, as its /metrics said at the last health check: "
+            "the router's own requests in flight then included, even once they end (routing prices the rest: "
+            "kvstore_router_foreign_requests)",
+            ["replica"],
+            registry=r,
+        )
+        self.foreign_requests = Gauge(
+            "kvstore_router_foreign_requests",
+            "Requests on a replica's engine that the router did not send, as routing prices them: its engine's "
+            "running and waiting at the last health check, less the router's requests in flight during that read "
+            "(routing prices the more of this and the router's own requests past their prompt)",
             ["replica"],
             registry=r,
         )
@@ -147,6 +158,7 @@ class RouterMetrics:
         self.in_flight.labels(replica_id).set(0)
         self.queued_tokens.labels(replica_id).set(0)
         self.engine_requests.labels(replica_id).set(0)
+        self.foreign_requests.labels(replica_id).set(0)
         self.healthy.labels(replica_id).set(0)
         self.hit_rate.labels(replica_id).set(0)
         self._prompt_by_replica.setdefault(replica_id, 0)
@@ -155,7 +167,8 @@ class RouterMetrics:
 
     def remove_replica(self, replica_id: str) -> None:
         """A replica that left: its gauges go; its counters and histograms keep their history."""
-        for gauge in (self.in_flight, self.queued_tokens, self.engine_requests, self.healthy, self.hit_rate):
+        gauges = (self.in_flight, self.queued_tokens, self.engine_requests, self.foreign_requests, self.healthy, self.hit_rate)
+        for gauge in gauges:
             gauge.remove(replica_id)
         self._prompt_by_replica.pop(replica_id, None)
         self._cached_by_replica.pop(replica_id, None)

@@ -11,6 +11,29 @@ from the router's configuration, follows vLLM's runtime ``/v1/load_lora_adapter`
 ``/v1/unload_lora_adapter`` within a health interval; an adapter re-pointed in between
 costs a recompute, never wrong KV (the engine keys with its own path).
 
+A replica's load, as routing prices it (`Replica.candidate`), is what the router knows
+exactly — the requests it sent there and has not seen end, and their prompt tokens not
+yet computed — and, for traffic that reaches the engine some other way, the engine's own
+running + waiting requests (vLLM's ``vllm:num_requests_running`` and
+``vllm:num_requests_waiting``, SGLang's alike) read from its ``/metrics`` at each check
+(`EngineReading`). That figure is a sample taken at the check: the router's own requests
+then in flight are in it, and stay in it until the next check even once the router has
+seen them end. So the router keeps, with the figure, how many of its own requests the
+engine may have counted — those in flight when the read began and those sent while it
+ran — and prices as the engine's only the rest, never below 0. A request of the router's
+that ends after the check then stops counting at once, where the raw figure would keep a
+phantom request on the replica for a whole health interval and send a new session that
+shares its cached prefix elsewhere. Counting every own request that may be in the figure
+errs towards too little foreign load, never too much: a phantom drives sessions away from
+their cache, a miss is corrected at the next check. The foreign figure is not aged
+further: each passing check replaces it, a ``/metrics`` that stops answering 200 clears
+it, and a check that fails takes the replica out of rotation, so what routing prices is
+never older than one health interval (plus the check's own time). Reading the engine
+again whenever a request ends would also be fresh, at the cost of a scrape of its
+``/metrics`` per request; the router's own count needs none. (An engine whose own
+gauges lag its scheduler — vLLM's stay put after every request is aborted at once until
+its next step — shows as foreign load until they catch up.)
+
 The list itself changes when the router reloads its configuration (`ReplicaSet.adopt`):
 a replica new to it starts unhealthy, out of rotation until its first passing check; one
 no longer listed leaves at once, while its requests in flight finish on the `Replica`
@@ -33,7 +56,7 @@ from kvstore.gateway.config import ReplicaConfig
 from kvstore.gateway.metrics import RouterMetrics
 from kvstore.index.scoring import Candidate
 
-__all__ = ["Replica", "ReplicaSet", "engine_queue", "served_models"]
+__all__ = ["EngineReading", "Replica", "ReplicaSet", "engine_queue", "served_models"]
 
 # vLLM's gauges (SGLang's are sglang:num_running_reqs / sglang:num_queue_reqs)
 _QUEUE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "sglang:num_running_reqs", "sglang:num_queue_reqs")
@@ -70,6 +93,21 @@ def served_models(cards: Any) -> tuple[tuple[str, ...], dict[str, str]]:
 logger = logging.getLogger("kvstore.router")
 
 
+@dataclass(frozen=True, slots=True)
+class EngineReading:
+    """An engine's requests running and waiting, as its ``/metrics`` said at a health
+    check, and how many of them may be the router's own: its requests in flight at some
+    moment of the read (see the module docstring)."""
+
+    requests: int = 0
+    own: int = 0
+
+    @property
+    def foreign(self) -> int:
+        """The engine's requests that the router did not send, as far as it can tell."""
+        return max(self.requests - self.own, 0)
+
+
 @dataclass(slots=True)
 class Replica:
     config: ReplicaConfig
@@ -79,11 +117,35 @@ class Replica:
     in_flight: int = 0
     queued_tokens: int = 0  # prompt tokens of requests not answered yet, less their expected hits
     num_prefilling: int = 0
-    engine_requests: int = 0  # running + waiting, as the engine's own /metrics last said (other clients' too)
+    num_sent: int = 0  # requests the router has sent it, ever: those sent while its engine is read may be in the figure
+    engine: EngineReading = EngineReading()  # its engine's own figure at the last check (none before the first)
 
     @property
     def node_id(self) -> str:
         return self.config.node_id
+
+    @property
+    def engine_requests(self) -> int:
+        """Running + waiting on its engine at the last check, the router's own requests then included."""
+        return self.engine.requests
+
+    @engine_requests.setter
+    def engine_requests(self, requests: int) -> None:
+        """The engine's figure, read now: the router's requests in flight now may be in it."""
+        self.engine = EngineReading(requests, self.in_flight)
+
+    @property
+    def foreign_requests(self) -> int:
+        """Requests on its engine the router did not send, at the last check."""
+        return self.engine.foreign
+
+    def sent(self, uncached_tokens: int) -> None:
+        """The router sends it a request: in flight, its prompt to compute, ``uncached_tokens``
+        of it in the queue routing prices, until `prefilled`."""
+        self.in_flight += 1
+        self.num_prefilling += 1
+        self.queued_tokens += uncached_tokens
+        self.num_sent += 1
 
     def prefilled(self, uncached_tokens: int) -> None:
         """A request it was computing has its prompt computed (or left without it): its
@@ -92,9 +154,11 @@ class Replica:
         self.queued_tokens -= uncached_tokens
 
     def candidate(self) -> Candidate:
-        """Its load for the cost model: what the router sent it, or what the engine reports
-        when that is more (traffic that reached it some other way)."""
-        active = max(self.in_flight - self.num_prefilling, self.engine_requests - self.in_flight)
+        """Its load for the cost model: the requests the router sent it that are past their
+        prompt, or the engine's requests the router did not send when those are more (the
+        others' traffic it knows only from the last check). Its own requests count as the
+        router knows them now, not as the engine's older figure may still hold them."""
+        active = max(self.in_flight - self.num_prefilling, self.foreign_requests)
         return Candidate(self.node_id, queued_tokens=self.queued_tokens, active_requests=max(active, 0))
 
 
@@ -180,9 +244,7 @@ class ReplicaSet:
             ok = models is not None and models.status_code == 200
             if ok:
                 replica.models, replica.adapters = served_models(models.json().get("data", []))
-                engine_metrics = await client.get(f"{url}/metrics", timeout=timeout_s)
-                if engine_metrics.status_code == 200:
-                    replica.engine_requests = engine_queue(engine_metrics.text)
+                await self._read_engine(client, replica, timeout_s)
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             ok, why = False, f"{type(exc).__name__}: {exc}"
         else:
@@ -194,8 +256,21 @@ class ReplicaSet:
             self.mark_down(replica, why)
         self._publish_health(replica)
 
+    @staticmethod
+    async def _read_engine(client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> None:
+        """The engine's running + waiting requests, from its ``/metrics``, with the router's
+        own requests that may be among them: those in flight as the read begins, and those
+        sent while it runs (whether the engine counted them is not known; they are the
+        router's either way). An engine that does not answer 200 gives no figure."""
+        own, num_sent = replica.in_flight, replica.num_sent
+        answer = await client.get(f"{replica.config.url}/metrics", timeout=timeout_s)
+        own += replica.num_sent - num_sent
+        replica.engine = EngineReading(engine_queue(answer.text), own) if answer.status_code == 200 else EngineReading()
+
     def _publish_health(self, replica: Replica) -> None:
-        """What the last check (or failure) found: in rotation or not, and the engine's own queue."""
+        """What the last check (or failure) found: in rotation or not, the engine's own queue,
+        and the part of it the router did not send."""
         if self.serves(replica):
             self.metrics.healthy.labels(replica.node_id).set(1 if replica.healthy else 0)
             self.metrics.engine_requests.labels(replica.node_id).set(replica.engine_requests)
+            self.metrics.foreign_requests.labels(replica.node_id).set(replica.foreign_requests)

@@ -1,64 +1,104 @@
 """The routing simulator's prediction of a bench.fleet run, next to what the run measured.
 
-The simulator (bench/sim) gets the run itself, not tuned constants:
+The simulator (bench/sim) gets the run itself, not tuned constants, and predicts each
+stack's token hit rate and throughput from the same model, whichever cache regime the
+stack is in — the engines' own prefix caches, kvstore's tiers behind them, or both:
 
-- the requests: every request the run sent, at the time it was sent (from the start of its
-  policy's run), in its session, its prompt's token ids keyed with kvstore's chain hashes
-  at the engines' block size (as the connector keys them), its answer's length;
-- the replicas' cache: the daemon's host tier (``host.capacity_bytes``) in blocks of the
-  engines' KV layout; no NVMe tier (``nvme.enabled = false``). The engine's own cache
-  serves hits only with prefix caching on (its ``VLLM_CPU_KVCACHE_SPACE``); with it off,
-  as bench.fleet runs kvstore's replicas, the simulator's HBM tier is only what a prefill
-  occupies, one ``max_model_len`` prompt (the simulated tier manager needs a prompt's
-  blocks in HBM while it is computed);
-- the speeds: prefill tokens/s measured on the replicas' cold prompts (`calibrate` in
-  bench/fleet.py), the context at which attention doubles a token's cost from the model's
-  geometry (`models.attention_context_tokens`, the linear parameters of its layers), a
-  decode step as measured, host bytes/s of a copy measured in the run (what a load from
-  the host slab costs); no remote fetch (the router runs with ``remote_fetch = false``);
-- the routing: round-robin and session hash were chosen by the client, so the simulator
-  replays the replica each request went to; the kvstore router is the simulator's kvstore
-  policy with the router's ``[routing]`` speeds.
+- the sessions: every request the run sent, in its session's order, its prompt's token
+  ids keyed with kvstore's chain hashes at the engines' block size, its answer's length
+  (and the answer's tokens, which the session's next prompt holds); each session's first
+  turn leaves at the time the run sent it, each later turn ``think_s`` after the previous
+  answer completed *in the simulation* (bench/sim/closed_loop.py) — a closed loop, so
+  the fleet's speed decides when prompts arrive and the run's requests/s is predicted;
+- the engines (bench/sim/vllm_replica.py, bench/sim/engine_cache.py): vLLM v1's
+  scheduler step by step — a token budget per step (``max_num_batched_tokens``) that
+  decodes and chunks of prompts share, admission only when a request's whole sequence
+  fits the free blocks, preemption of the last running request when a block is missing
+  — over the engine's own prefix cache: ``engine_blocks`` blocks (or what
+  ``engine_kv_cache_bytes`` holds in the engines' KV layout), running requests' blocks
+  pinned, freed blocks in an LRU free queue tail first, so a prefix's later blocks go
+  before its earlier ones. With prefix caching off the budget still bounds what runs;
+  nothing is found in it;
+- the daemons (``host_capacity_bytes`` > 0): each replica's host tier is kvstore's
+  production tier manager over a capacity-only tier; the connector offers the prompt's
+  blocks it holds beyond the engine's hit, and saves each prompt block a step computes;
+  no NVMe tier, no remote fetch (the router runs with ``remote_fetch = false``);
+- the speeds (modelled from what the run measured): a step costs a one-request decode
+  step (``decode_s_per_request``) plus, per request in it, new tokens × (1 + (context +
+  new/2) ÷ the attention context) ÷ the prefill rate, plus the blocks loaded and saved at
+  the measured host copy rate. The prefill rate is the one measured on cold prompts
+  (`calibrate` in bench/fleet.py); given the calibration prompt's length
+  (``measured["prefill_prompt_tokens"]``) the rate at an empty context is derived from
+  it, its steps' overhead and its attention taken out. The attention context comes from
+  the model's geometry (`models.attention_context_tokens`). Replicas that share one
+  host's cores share its compute (``replica_parallelism``: how many steps run at full
+  speed at once; default, each replica its own hardware);
+- the routing: ``replay`` sends each request where the run says it went (round-robin
+  and session hash, chosen by the client); otherwise the policy the stack's name ends in
+  routes — ``round_robin``, ``session_hash``, ``kvstore`` (the simulator's kvstore
+  policy with the router's ``[routing]`` speeds, the engines' caches folded into their
+  replicas' matches as the router folds their KV events), ``vllm_router_cache_aware``
+  and ``vllm_router_kv_aware`` (vllm-router's policies, bench/sim/policies.py).
 
-What the simulator does not model here, and so where its errors come from: the HTTP and
-router hops, vLLM's scheduler batching prefills and decodes in the same steps (the
-simulator runs one prefill at a time and never lets decode delay it), blocks of the answer
-tokens that the connector saves (the simulator caches prompt blocks only), and what earlier
-policies of the same run left in the daemons' tiers (each simulated policy starts cold).
+The engines report a request's cached tokens as their own hit plus the connector's at
+its first admission; so does the simulator, and the hit rate compared is cached ÷
+prompt tokens over the run. Throughput compared is requests ÷ seconds: the measured
+run's duration against the simulated time until the last client was done.
+
+What the simulator does not model, and so where its errors come from: the HTTP and
+router hops beyond a fixed ``request_overhead_s`` per request, the tokenizer and the
+API server's own CPU time, the connector's lookups, CPU contention beyond the replicas'
+steps (daemons, router, client), what earlier stacks of the same run left behind (each
+simulated stack starts cold), and vLLM's async scheduling.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from bench.sim.engine import RunResult, SimConfig, simulate
+from bench.sim.closed_loop import FleetModel, Session, Turn, simulate_sessions
+from bench.sim.engine import RunResult, SimConfig
 from bench.sim.models import ModelPreset, attention_context_tokens
-from bench.sim.policies import Fleet, KvstoreCost, RoutingPolicy
+from bench.sim.policies import KvstoreCost, RoundRobin, RoutingPolicy, SessionHash, VllmRouterCacheAware, VllmRouterKvAware
 from bench.sim.replica import TierSizes
+from bench.sim.vllm_replica import EngineSpec, StepSpeeds
 from bench.sim.workload import Request
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import chain_hashes
+from kvstore.index.scoring import CostModel
 from kvstore.layout import KVLayout
+from kvstore.namespace import Namespace
 
 __all__ = [
     "SentRequest",
     "FleetSetup",
     "Prediction",
+    "ROUTINGS",
     "llama_layer_params",
+    "engine_layout",
     "fleet_setup",
     "sim_model",
     "sim_config",
     "sim_requests",
+    "fleet_model",
+    "sessions_of",
+    "routing_of",
     "predict",
+    "replica_parallelism",
     "copy_bytes_per_s",
 ]
 
 GiB = 1024**3
+# vLLM's defaults for its OpenAI server on CPU (vllm/engine/arg_utils.py)
+CPU_MAX_NUM_BATCHED_TOKENS = 2048
+CPU_MAX_NUM_SEQS = 128
+# the routing policies a stack's name may end in
+ROUTINGS = ("round_robin", "session_hash", "kvstore", "vllm_router_cache_aware", "vllm_router_kv_aware")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +109,12 @@ class SentRequest:
     sent_s: float  # since the policy's run began
     prompt: tuple[int, ...]  # token ids
     answer_tokens: int
-    replica: str  # the node that served it
+    replica: str  # the node that served it ("" where the run cannot say, e.g. behind vllm-router)
     ttft_s: float  # to the first streamed chunk
     prompt_tokens: int  # as the engine counted them (its usage)
     cached_tokens: int  # as the engine reported them
+    think_s: float = 0.0  # the client's pause after this answer before the session's next turn
+    answer_ids: tuple[int, ...] = ()  # the answer's token ids as generated; (): read from the session's next prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,17 +131,38 @@ class FleetSetup:
     linear_params: float  # per token, the model's layers (no embedding, no LM head)
     num_query_heads: int
     prefill_tokens_per_s: float
-    decode_s_per_token: float
+    decode_s_per_token: float  # a decode step of one request
     host_bytes_per_s: float
+    engine_blocks: int = 0  # each engine's KV cache in blocks (--num-gpu-blocks-override); 0: engine_kv_cache_bytes's
+    max_num_batched_tokens: int = CPU_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = CPU_MAX_NUM_SEQS
+    replica_parallelism: float = 0.0  # replicas' steps at full speed at once; 0: every replica's (own hardware)
+    request_overhead_s: float = 0.0  # from a client's send to its engine
+    prefill_prompt_tokens: int = 0  # the calibration prompt behind prefill_tokens_per_s; 0: take it as the base rate
+    router_cache_bytes: int | None = None  # what kvstore's router is told a replica keeps; None: host_capacity_bytes
 
     def __post_init__(self) -> None:
         if not self.replica_ids:
             raise InvalidArgument("a fleet needs at least one replica.")
-        for name in ("max_model_len", "linear_params", "prefill_tokens_per_s", "host_bytes_per_s"):
+        positive = ("max_model_len", "linear_params", "prefill_tokens_per_s", "host_bytes_per_s", "max_num_batched_tokens", "max_num_seqs")
+        for name in positive:
             if not getattr(self, name) > 0:
                 raise InvalidArgument(f"FleetSetup.{name} must be positive, got {getattr(self, name)}.")
-        if self.host_capacity_bytes < 0 or self.engine_kv_cache_bytes < 0:
+        if self.host_capacity_bytes < 0 or self.engine_kv_cache_bytes < 0 or self.engine_blocks < 0:
             raise InvalidArgument("cache capacities cannot be negative.")
+        for name in ("decode_s_per_token", "replica_parallelism", "request_overhead_s", "prefill_prompt_tokens"):
+            if getattr(self, name) < 0:
+                raise InvalidArgument(f"FleetSetup.{name} cannot be negative, got {getattr(self, name)}.")
+        if self.num_engine_blocks < 2:
+            raise InvalidArgument(
+                f"each engine needs a KV cache of at least 2 blocks; engine_blocks {self.engine_blocks}, "
+                f"engine_kv_cache_bytes {self.engine_kv_cache_bytes:,} at {self.layout.block_bytes:,} bytes a block."
+            )
+
+    @property
+    def num_engine_blocks(self) -> int:
+        """Each engine's KV cache in blocks, as vLLM counts them (one is its null block)."""
+        return self.engine_blocks or self.engine_kv_cache_bytes // self.layout.block_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +172,8 @@ class Prediction:
     predicted_hit_rate: float
     measured_ttft_p50_s: float
     predicted_ttft_p50_s: float
+    predicted_requests_per_s: float = math.nan  # modelled: requests ÷ the simulated time until the last client was done
+    measured_requests_per_s: float = math.nan  # requests ÷ the measured run's duration (nan: not given)
 
     @property
     def hit_rate_error(self) -> float:
@@ -118,9 +183,16 @@ class Prediction:
     def ttft_p50_error(self) -> float:
         return _relative_error(self.predicted_ttft_p50_s, self.measured_ttft_p50_s)
 
+    @property
+    def throughput_error(self) -> float:
+        """|predicted − measured| ÷ measured requests/s; nan when the run's duration was not given."""
+        return _relative_error(self.predicted_requests_per_s, self.measured_requests_per_s)
+
 
 def _relative_error(predicted: float, measured: float) -> float:
-    """|predicted − measured| ÷ measured (0 when both are 0)."""
+    """|predicted − measured| ÷ measured (0 when both are 0; nan when either is)."""
+    if math.isnan(predicted) or math.isnan(measured):
+        return math.nan
     if measured == 0:
         return 0.0 if predicted == 0 else float("inf")
     return abs(predicted - measured) / measured
@@ -159,11 +231,20 @@ def fleet_setup(
     prefix_caching: bool,
     engine_kv_cache_bytes: int,
     measured: dict,
+    *,
+    engine_blocks: int = 0,
+    max_num_batched_tokens: int = CPU_MAX_NUM_BATCHED_TOKENS,
+    max_num_seqs: int = CPU_MAX_NUM_SEQS,
+    router_cache_bytes: int | None = None,
 ) -> FleetSetup:
     """The setup of a bench.fleet run: the model's config.json (a Llama served in bf16),
-    the fleet's configuration, and ``measured`` — ``prefill_tokens_per_s``,
-    ``decode_s_per_request`` (a decode step, as bench.fleet's `calibrate` measures them)
-    and ``host_bytes_per_s``."""
+    the fleet's configuration (``host_capacity_bytes`` 0 for a stack without daemons;
+    ``prefix_caching`` for engines that cache; ``engine_blocks`` for an engine given
+    ``--num-gpu-blocks-override``, else its cache is what ``engine_kv_cache_bytes``
+    holds), and ``measured`` — ``prefill_tokens_per_s``, ``decode_s_per_request`` (a
+    decode step, as bench.fleet's `calibrate` measures them) and ``host_bytes_per_s``;
+    optionally ``prefill_prompt_tokens`` (the calibration prompt's length),
+    ``replica_parallelism`` (see `replica_parallelism`) and ``request_overhead_s``."""
     layout = engine_layout(model_config, block_size)
     return FleetSetup(
         replica_ids=tuple(replica_ids),
@@ -178,7 +259,19 @@ def fleet_setup(
         prefill_tokens_per_s=measured["prefill_tokens_per_s"],
         decode_s_per_token=measured["decode_s_per_request"],
         host_bytes_per_s=measured["host_bytes_per_s"],
+        engine_blocks=engine_blocks,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        replica_parallelism=float(measured.get("replica_parallelism", 0.0)),
+        request_overhead_s=float(measured.get("request_overhead_s", 0.0)),
+        prefill_prompt_tokens=int(measured.get("prefill_prompt_tokens", 0)),
+        router_cache_bytes=router_cache_bytes,
     )
+
+
+def _attention_context(setup: FleetSetup) -> float:
+    layout = setup.layout
+    return attention_context_tokens(setup.linear_params, layout.num_layers, setup.num_query_heads, layout.head_dim, layout.head_dim)
 
 
 def sim_model(setup: FleetSetup) -> ModelPreset:
@@ -192,9 +285,7 @@ def sim_model(setup: FleetSetup) -> ModelPreset:
         kv_planes=layout.kv_planes,
         dtype=layout.dtype,
         prefill_tokens_per_s=setup.prefill_tokens_per_s,
-        attention_context_tokens=attention_context_tokens(
-            setup.linear_params, layout.num_layers, setup.num_query_heads, layout.head_dim, layout.head_dim
-        ),
+        attention_context_tokens=_attention_context(setup),
         decode_s_per_token=setup.decode_s_per_token,
         host_bytes_per_s=setup.host_bytes_per_s,
         nvme_bytes_per_s=setup.host_bytes_per_s,  # no NVMe tier: never used
@@ -203,10 +294,13 @@ def sim_model(setup: FleetSetup) -> ModelPreset:
 
 
 def sim_config(setup: FleetSetup) -> SimConfig:
+    """The trace simulator's configuration of the fleet (bench/sim/engine.py), whose HBM
+    tier stands for the engine's cache: its blocks where the engine caches prefixes, else
+    one ``max_model_len`` prompt (what a prefill occupies)."""
     block_bytes = setup.layout.block_bytes
     block_size = setup.layout.block_size
     prefill_blocks = -(-setup.max_model_len // block_size)
-    engine_blocks = setup.engine_kv_cache_bytes // block_bytes if setup.prefix_caching else 0
+    engine_blocks = setup.num_engine_blocks if setup.prefix_caching else 0
     sizes = TierSizes(
         hbm_bytes=max(prefill_blocks, engine_blocks) * block_bytes,
         host_bytes=(setup.host_capacity_bytes // block_bytes) * block_bytes,
@@ -231,37 +325,138 @@ def sim_requests(sent: Sequence[SentRequest], block_size: int) -> list[Request]:
     ]
 
 
-class _Replay(RoutingPolicy):
-    """Each request to the replica it was measured on (the client's choice)."""
+def base_prefill_tokens_per_s(setup: FleetSetup) -> float:
+    """The prefill rate at an empty context (modelled): the measured rate with the
+    calibration prompt's steps' overhead and attention taken out, where its length is
+    known; else the measured rate itself."""
+    tokens = setup.prefill_prompt_tokens
+    if not tokens:
+        return setup.prefill_tokens_per_s
+    measured_s = tokens / setup.prefill_tokens_per_s
+    steps = -(-tokens // setup.max_num_batched_tokens)
+    compute_s = measured_s - steps * setup.decode_s_per_token
+    if compute_s <= 0:
+        return setup.prefill_tokens_per_s
+    # Σ over its chunks of chunk × (1 + (context + chunk/2) / A) = n + n² / 2A, however chunked
+    work = tokens + tokens * tokens / (2 * _attention_context(setup))
+    return work / compute_s
 
-    name = "replay"
 
-    def __init__(self, replicas: Sequence[int]) -> None:
-        self._replicas = list(replicas)
-        self._next = 0
+def fleet_model(setup: FleetSetup) -> FleetModel:
+    """The closed-loop simulator's fleet for ``setup``."""
+    layout = setup.layout
+    engine = EngineSpec(
+        num_blocks=setup.num_engine_blocks,
+        block_tokens=layout.block_size,
+        prefix_caching=setup.prefix_caching,
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+        max_num_seqs=setup.max_num_seqs,
+        host_blocks=setup.host_capacity_bytes // layout.block_bytes,
+    )
+    speeds = StepSpeeds(
+        prefill_tokens_per_s=base_prefill_tokens_per_s(setup),
+        attention_context_tokens=_attention_context(setup),
+        step_overhead_s=setup.decode_s_per_token,
+        host_bytes_per_s=setup.host_bytes_per_s,
+        block_bytes=layout.block_bytes,
+    )
+    cache_bytes = setup.host_capacity_bytes if setup.router_cache_bytes is None else setup.router_cache_bytes
+    return FleetModel(
+        num_replicas=len(setup.replica_ids),
+        engine=engine,
+        speeds=speeds,
+        namespace=Namespace(setup.model_id, layout),
+        replica_parallelism=setup.replica_parallelism,
+        request_overhead_s=setup.request_overhead_s,
+        cache_bytes=cache_bytes,
+    )
 
-    def choose(self, request: Request, fleet: Fleet, now: float) -> int:
-        chosen = self._replicas[self._next]
-        self._next += 1
-        return chosen
+
+def sessions_of(sent: Sequence[SentRequest], setup: FleetSetup, replay: bool) -> list[Session]:
+    """The run's sessions: each one's requests in the order it sent them (a turn's index is
+    its place in the run's send order), its first turn at the time the run sent it, each
+    answer's tokens as generated (``answer_ids``) or else as the session's next prompt
+    holds them, where that prompt extends this one (the engine's cached answer blocks hit
+    the next prompt as far as its token ids agree); with ``replay``, the replica each
+    request went to."""
+    ordered = sorted(range(len(sent)), key=lambda k: sent[k].sent_s)
+    position = {k: place for place, k in enumerate(ordered)}
+    index_of = {node: k for k, node in enumerate(setup.replica_ids)}
+    by_session: dict[str, list[int]] = {}
+    for k in ordered:
+        by_session.setdefault(sent[k].session, []).append(k)
+    sessions = []
+    for session, members in by_session.items():
+        turns = []
+        for j, k in enumerate(members):
+            request = sent[k]
+            answer = request.answer_ids
+            if not answer and j + 1 < len(members):
+                following = sent[members[j + 1]].prompt
+                if following[: len(request.prompt)] == request.prompt:
+                    answer = following[len(request.prompt) : len(request.prompt) + request.answer_tokens]
+            replica = -1
+            if replay:
+                if request.replica not in index_of:
+                    raise InvalidArgument(
+                        f"cannot replay: a request of session {session!r} went to {request.replica!r}, "
+                        f"not one of {list(setup.replica_ids)} (route it with a policy instead: replay=False)."
+                    )
+                replica = index_of[request.replica]
+            turns.append(Turn(position[k], request.prompt, request.answer_tokens, request.think_s, answer, replica))
+        sessions.append(Session(session, sent[members[0]].sent_s, tuple(turns)))
+    return sessions
 
 
-def predict(policy: str, setup: FleetSetup, sent: Sequence[SentRequest], replay: bool) -> tuple[Prediction, RunResult]:
-    """The simulator's hit rate and TTFT p50 for the measured run of ``policy``:
-    ``replay`` sends each request where it was measured, otherwise the simulator's kvstore
-    router chooses, with the run's speeds."""
+def routing_of(policy: str) -> str:
+    """The routing policy a stack's name stands for: one of `ROUTINGS`, or the longest of
+    them its name contains ("plain_vllm_round_robin" → round_robin,
+    "connector_vllm_router_cache_aware" → vllm_router_cache_aware)."""
+    name = policy.replace("-", "_")
+    if name in ROUTINGS:
+        return name
+    found = [routing for routing in ROUTINGS if routing in name]
+    if not found:
+        raise InvalidArgument(f"no routing policy in the name {policy!r}; name one of {', '.join(ROUTINGS)}.")
+    return max(found, key=len)
+
+
+def _router(policy: str, setup: FleetSetup) -> RoutingPolicy:
+    routing = routing_of(policy)
+    if routing == "round_robin":
+        return RoundRobin()
+    if routing == "session_hash":
+        return SessionHash(len(setup.replica_ids))
+    if routing == "vllm_router_cache_aware":
+        return VllmRouterCacheAware()
+    if routing == "vllm_router_kv_aware":
+        return VllmRouterKvAware()
+    # the router's [routing] speeds: the measured prefill rate and decode step
+    speeds = CostModel(
+        prefill_tokens_per_s=setup.prefill_tokens_per_s,
+        attention_context_tokens=_attention_context(setup),
+        host_bytes_per_s=setup.host_bytes_per_s,
+        nvme_bytes_per_s=setup.host_bytes_per_s,
+        remote_bytes_per_s=setup.host_bytes_per_s,
+        decode_s_per_request=setup.decode_s_per_token,
+        remote_fetch=False,
+    )
+    return KvstoreCost(speeds)
+
+
+def predict(
+    policy: str, setup: FleetSetup, sent: Sequence[SentRequest], replay: bool, measured_seconds: float | None = None
+) -> tuple[Prediction, RunResult]:
+    """The simulator's hit rate, TTFT p50 and requests/s for the measured run of
+    ``policy`` (a stack's name; see `routing_of`): ``replay`` sends each request where it
+    was measured, otherwise the policy routes. ``measured_seconds``: the measured run's
+    duration, for its requests/s."""
     if not sent:
         raise InvalidArgument(f"the run of {policy} sent no request.")
-    config = sim_config(setup)
-    requests = sim_requests(sent, setup.layout.block_size)
-    if replay:
-        index_of = {node: k for k, node in enumerate(setup.replica_ids)}
-        router: RoutingPolicy = _Replay([index_of[r.replica] for r in sorted(sent, key=lambda r: r.sent_s)])
-    else:
-        # the router's [routing] speeds: the measured prefill rate and decode step
-        speeds = dataclasses.replace(config.model.cost_model(remote_fetch=False), decode_s_per_request=setup.decode_s_per_token)
-        router = KvstoreCost(speeds)
-    result = simulate(requests, router, config)
+    if measured_seconds is not None and not measured_seconds > 0:
+        raise InvalidArgument(f"the measured run's duration must be positive, got {measured_seconds}.")
+    router = None if replay else _router(policy, setup)
+    result = simulate_sessions(sessions_of(sent, setup, replay), router, fleet_model(setup))
     prompt = sum(o.num_prompt_tokens for o in result.outcomes)
     predicted_hit = sum(o.num_cached_tokens for o in result.outcomes) / prompt
     measured_hit = sum(r.cached_tokens for r in sent) / sum(r.prompt_tokens for r in sent)
@@ -271,8 +466,19 @@ def predict(policy: str, setup: FleetSetup, sent: Sequence[SentRequest], replay:
         predicted_hit_rate=predicted_hit,
         measured_ttft_p50_s=float(np.median([r.ttft_s for r in sent])),
         predicted_ttft_p50_s=float(np.median([o.ttft_s for o in result.outcomes])),
+        predicted_requests_per_s=len(result.outcomes) / result.makespan_s if result.makespan_s > 0 else math.inf,
+        measured_requests_per_s=len(sent) / measured_seconds if measured_seconds is not None else math.nan,
     )
     return prediction, result
+
+
+def replica_parallelism(solo_tokens_per_s: float, concurrent_tokens_per_s: float, num_replicas: int) -> float:
+    """How many replicas' steps run at full speed at once, from a prefill rate measured
+    on one replica alone and the per-replica rate with all ``num_replicas`` prefilling at
+    once (1 for engines that each take all of one host's cores; N on N accelerators)."""
+    if not (solo_tokens_per_s > 0 and concurrent_tokens_per_s > 0 and num_replicas >= 1):
+        raise InvalidArgument("replica_parallelism needs two positive rates and at least one replica.")
+    return min(float(num_replicas), max(1.0, num_replicas * concurrent_tokens_per_s / solo_tokens_per_s))
 
 
 def copy_bytes_per_s(num_bytes: int = 64 * 1024**2, repeats: int = 3) -> float:

@@ -86,6 +86,9 @@ class RunResult:
     num_replicas: int
     block_tokens: int
     wall_s: float  # how long the simulation itself took
+    # closed-loop runs (closed_loop.py): simulated seconds until every session's client was
+    # done (its last answer and the pause after it); 0 for a replayed trace
+    makespan_s: float = 0.0
 
 
 class _Clock:

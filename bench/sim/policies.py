@@ -39,7 +39,31 @@ gets (so that a comparison isolates the routing rule, not the fleet under it):
 
 The prefix-aware policies read block locations from one `BlockLocations` index that the
 replicas' own tier-manager events feed (engine.py), as llm-d's and Dynamo's indexers are
-fed by engines' KV events.
+fed by engines' KV events. Where an engine's own prefix cache is a node of its own in
+that index (``vllm@replica-k``, bench/sim/vllm_replica.py), kvstore's policy folds it into
+its replica's match as the production router does (`scoring.with_engine_caches`).
+
+vLLM's Rust router (``vllm-router``, 0.1.17; a fork of SGLang's model gateway):
+
+- ``vllm-router-cache-aware`` (``--policy cache_aware``, its default): an approximate
+  radix tree of what each worker was sent (text, not KV events). When load is balanced —
+  not both max − min in-flight requests > ``balance_abs_threshold`` (64) and max >
+  ``balance_rel_threshold`` (1.5) × min — a prompt whose longest match in the tree
+  covers more than ``cache_threshold`` (0.3; SGLang's own router defaults to 0.5) of it
+  goes to the worker that match names (the tenant that created the tree node where the
+  match ends), any other to the worker with the smallest tree (ties: the fewest in-flight
+  requests, then the first); when imbalanced, to the fewest in-flight requests. The chosen worker's tree then learns the prompt. Modelled at
+  block granularity (chain hashes of whole blocks, token counts for characters: the same
+  ratios to within a block); the tree's size-bounded eviction (2^25 characters, every
+  120 s) never triggers at these sizes and is not modelled.
+- ``vllm-router-kv-aware`` (``--policy kv_aware``): routes by the engines' KV events — the
+  prefix each worker's engine actually holds. Modelled as the cost of Dynamo's KV router,
+  whose shape 0.1.17's kv_aware shares (per-worker slot counters of active blocks and
+  prefill work, ``--router-temperature`` 0: the lowest cost wins, as its flags and
+  symbols show; the wheel ships no source for its exact weights): (queued prefill tokens
+  + this prompt's tokens beyond the worker's cached prefix) ÷ block + the blocks of its
+  active requests and this prompt's; ties go to the workers in turn. The events arrive
+  with no delay here, so the router sees each engine's cache exactly.
 """
 
 from __future__ import annotations
@@ -57,6 +81,7 @@ from bench.sim.replica import Replica, node_id, replica_index
 from bench.sim.workload import Request
 from kvstore.config import RoutingConfig
 from kvstore.errors import InvalidArgument
+from kvstore.hashing import BlockHash
 from kvstore.index import scoring
 from kvstore.index.base import SessionAffinity
 from kvstore.index.live import LiveSessions
@@ -73,6 +98,12 @@ __all__ = [
     "LLMD_PREFIX_WEIGHT",
     "LLMD_QUEUE_WEIGHT",
     "DYNAMO_OVERLAP_WEIGHT",
+    "VLLM_ROUTER_CACHE_THRESHOLD",
+    "VLLM_ROUTER_BALANCE_ABS_THRESHOLD",
+    "VLLM_ROUTER_BALANCE_REL_THRESHOLD",
+    "ApproximateTree",
+    "VllmRouterCacheAware",
+    "VllmRouterKvAware",
     "queue_s",
 ]
 
@@ -81,6 +112,10 @@ LLMD_TIER_WEIGHTS = {TierKind.GPU: 1.0, TierKind.HBM: 1.0, TierKind.HOST: 0.8, T
 # llm-d's default scheduling profile: prefix-cache scorer weight 3, queue scorer weight 2
 LLMD_PREFIX_WEIGHT, LLMD_QUEUE_WEIGHT = 3.0, 2.0
 DYNAMO_OVERLAP_WEIGHT = 1.0
+# vllm-router 0.1.17's defaults (its router_args.py)
+VLLM_ROUTER_CACHE_THRESHOLD = 0.3
+VLLM_ROUTER_BALANCE_ABS_THRESHOLD = 64
+VLLM_ROUTER_BALANCE_REL_THRESHOLD = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,10 +258,15 @@ class DynamoCost(RoutingPolicy):
         if remote_fetch:
             self.name = "dynamo+fetch"
 
-    def choose(self, request: Request, fleet: Fleet, now: float) -> int:
-        overlap = dict.fromkeys(range(len(fleet.replicas)), 0)
+    def overlaps(self, request: Request, fleet: Fleet) -> list[int]:
+        """Blocks of the prompt each replica holds, in any tier."""
+        overlap = [0] * len(fleet.replicas)
         for match in _matches(request, fleet):
             overlap[replica_index(match.node_id)] = match.num_blocks
+        return overlap
+
+    def choose(self, request: Request, fleet: Fleet, now: float) -> int:
+        overlap = self.overlaps(request, fleet)
         block_tokens = request.block_tokens
         prompt_blocks = -(-request.num_prompt_tokens // block_tokens)
         costs = []
@@ -252,7 +292,8 @@ class KvstoreCost(RoutingPolicy):
         self.num_moves = 0
 
     def choose(self, request: Request, fleet: Fleet, now: float) -> int:
-        matches = {match.node_id: match for match in _matches(request, fleet)}
+        # an engine's own cache (its KV events) counts as its replica's, as the router counts it
+        matches = scoring.with_engine_caches(_matches(request, fleet), [replica.node_id for replica in fleet.replicas])
         if self._live is None:
             self._live = LiveSessions(self._ttl_s, request.block_tokens)
         live = self._live
@@ -286,6 +327,86 @@ class KvstoreCost(RoutingPolicy):
         return replica_index(decision.node_id)
 
 
+class ApproximateTree:
+    """vllm-router's approximate radix tree of what each worker was sent, at block
+    granularity: a node per chain hash (a prompt's whole blocks), the tenant that created
+    it (the tree's cached ``last_tenant``, which a split copies), the tenants that were
+    sent it, and each tenant's size in tokens."""
+
+    def __init__(self) -> None:
+        self._creator: dict[BlockHash, int] = {}
+        self._tenants: dict[BlockHash, set[int]] = {}
+        self.size: collections.Counter[int] = collections.Counter()
+
+    def insert(self, hashes: Sequence[BlockHash], tenant: int, block_tokens: int) -> None:
+        for block_hash in hashes:
+            tenants = self._tenants.get(block_hash)
+            if tenants is None:
+                self._creator[block_hash] = tenant
+                self._tenants[block_hash] = {tenant}
+            elif tenant in tenants:
+                continue
+            else:
+                tenants.add(tenant)
+            self.size[tenant] += block_tokens
+
+    def match(self, hashes: Sequence[BlockHash]) -> tuple[int, int | None]:
+        """(blocks matched, the tenant the match names; None when nothing matched)."""
+        matched = 0
+        for block_hash in hashes:
+            if block_hash not in self._creator:
+                break
+            matched += 1
+        return matched, (self._creator[hashes[matched - 1]] if matched else None)
+
+
+class VllmRouterCacheAware(RoutingPolicy):
+    name = "vllm-router-cache-aware"
+
+    def __init__(
+        self,
+        cache_threshold: float = VLLM_ROUTER_CACHE_THRESHOLD,
+        balance_abs_threshold: int = VLLM_ROUTER_BALANCE_ABS_THRESHOLD,
+        balance_rel_threshold: float = VLLM_ROUTER_BALANCE_REL_THRESHOLD,
+    ) -> None:
+        self._threshold = cache_threshold
+        self._abs = balance_abs_threshold
+        self._rel = balance_rel_threshold
+        self.tree = ApproximateTree()
+        self.decisions: collections.Counter[str] = collections.Counter()
+
+    def choose(self, request: Request, fleet: Fleet, now: float) -> int:
+        loads = [replica.num_outstanding for replica in fleet.replicas]
+        low, high = min(loads), max(loads)
+        if high - low > self._abs and high > low * self._rel:
+            chosen, decision = loads.index(low), "load_balance"
+        else:
+            matched, tenant = self.tree.match(request.block_hashes)
+            rate = matched * request.block_tokens / request.num_prompt_tokens if request.num_prompt_tokens else 0.0
+            if tenant is not None and rate > self._threshold:
+                chosen, decision = tenant, "cache_hit"
+            else:
+                sizes = [self.tree.size[k] for k in range(len(fleet.replicas))]
+                chosen = min(range(len(sizes)), key=lambda k: (sizes[k], loads[k], k))
+                decision = "smallest_tree"
+        self.decisions[decision] += 1
+        self.tree.insert(request.block_hashes, chosen, request.block_tokens)
+        return chosen
+
+
+class VllmRouterKvAware(DynamoCost):
+    name = "vllm-router-kv-aware"
+    uses_index = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = "vllm-router-kv-aware"
+
+    def overlaps(self, request: Request, fleet: Fleet) -> list[int]:
+        """Blocks of the prompt each replica's engine holds in its own cache."""
+        return [replica.engine_prefix_blocks(request) for replica in fleet.replicas]
+
+
 def _matches(request: Request, fleet: Fleet):
     if fleet.index is None or not request.block_hashes:
         return []
@@ -302,6 +423,8 @@ POLICIES: dict[str, Callable[[int, scoring.CostModel], RoutingPolicy]] = {
     "session-hash+fetch": lambda num_replicas, speeds: SessionHash(num_replicas, remote_fetch=speeds.remote_fetch),
     "longest-prefix+load+fetch": lambda num_replicas, speeds: LongestPrefix(speeds=speeds, remote_fetch=speeds.remote_fetch),
     "dynamo+fetch": lambda num_replicas, speeds: DynamoCost(remote_fetch=speeds.remote_fetch),
+    "vllm-router-cache-aware": lambda num_replicas, speeds: VllmRouterCacheAware(),
+    "vllm-router-kv-aware": lambda num_replicas, speeds: VllmRouterKvAware(),
 }
 
 

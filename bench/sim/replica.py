@@ -163,6 +163,12 @@ class Replica:
     def cached_prefix(self, request: Request) -> list[TierKind]:
         return self.manager.lookup(self._namespace, request.block_hashes)
 
+    def engine_prefix_blocks(self, request: Request) -> int:
+        """Blocks of the prompt's cached prefix in HBM, which stands for the engine's own
+        cache here (what a router fed by the engine's KV events sees)."""
+        tiers = self.cached_prefix(request)
+        return next((k for k, tier in enumerate(tiers) if tier is not TierKind.HBM), len(tiers))
+
     # -- a request's life ------------------------------------------------------------------
     def enqueue(self, job: Job) -> None:
         request = job.request

@@ -133,7 +133,8 @@ class ServerConfig:
     # sleeps: an engine's requests come in runs (a scheduler looks up each waiting request,
     # then loads, then saves), and a loop woken from sleep answers each ~35 µs later on a
     # VM (kvstore_loop_polling_seconds counts the CPU it costs). 0: sleep at once; where
-    # the daemon may run on one CPU only it never polls (it would keep the engine waiting)
+    # the daemon may run on one CPU only it never polls (it would keep the engine waiting),
+    # nor while no CPU of the host is idle (it would take one from the engines' compute)
     spin_us: float = 200.0
     # the survivors of every full garbage collection are frozen, so a collection walks only
     # what is new (kvstore/gcpolicy.py); every this many seconds everything is thawed and

@@ -39,7 +39,7 @@ from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.localproto import HEADER, MAX_REQUEST_BYTES, OP_NAMES, PROTOCOL_VERSION, Op, checked_args
 from kvstore.namespace import Namespace
 from kvstore.steps import drive, is_pending
-from kvstore.tiers.base import has_spare_core
+from kvstore.tiers.base import has_spare_core, spare_cpu_now
 
 __all__ = ["LocalServer", "LocalServerProtocol"]
 
@@ -90,9 +90,13 @@ class LocalServer:
         lands. A callback that puts itself back on the ready queue is the poll: while one
         is ready, the loop (asyncio's or uvloop's) waits on its sockets with a zero
         timeout, and it still runs timers, other connections and I/O threads' callbacks
-        on every turn."""
+        on every turn. Only while a CPU of the host is idle (``spare_cpu_now``): where the
+        engines keep every core busy, a polling daemon takes one from their compute threads."""
         self._answered_at = now = time.perf_counter()
         if self._polling_since is None and self.spin_s:
+            if not spare_cpu_now():  # a poll would take an engine's CPU
+                self.node.metrics.poll_skipped()
+                return
             self._polling_since = now
             asyncio.get_running_loop().call_soon(self._poll)
 

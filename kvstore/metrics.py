@@ -140,6 +140,10 @@ class Metrics:
         """The loop polled for the next engine request for ``seconds`` (server.spin_us)."""
         self._requests.polling_s += seconds
 
+    def poll_skipped(self) -> None:
+        """The loop slept at once after an answer: no CPU of the host was idle (server.spin_us)."""
+        self._requests.polls_skipped += 1
+
     def gc_frozen(self, count: int) -> None:
         self._requests.gc_frozen = count
 
@@ -177,6 +181,7 @@ class _RequestPath(Collector):
         self.gc_pauses: dict[str, list] = {}  # generation -> the same
         self.gc_frozen = 0
         self.polling_s = 0.0  # the loop's polling for engines' next requests
+        self.polls_skipped = 0  # answers after which it did not poll: the host had no idle CPU
 
     def collect(self) -> Iterator:
         blocks = CounterMetricFamily(
@@ -202,6 +207,12 @@ class _RequestPath(Collector):
             "Time the daemon's event loop spent polling its sockets for an engine's next request after an answer, "
             "instead of sleeping (server.spin_us).",
             value=self.polling_s,
+        )
+        yield CounterMetricFamily(
+            "kvstore_loop_polls_skipped",
+            "Answers after which the daemon's event loop slept at once instead of polling for the engine's next request, "
+            "because no CPU of the host was idle (a poll would take one from the engines' compute threads).",
+            value=self.polls_skipped,
         )
         yield GaugeMetricFamily(
             "kvstore_gc_frozen_objects",

@@ -176,7 +176,7 @@ def test_write_checksummed_lands_every_byte_and_returns_the_checksum_of_what_lan
     import kvstore.tiers.base as base_module
     from kvstore.tiers.base import block_checksum
 
-    monkeypatch.setattr(base_module, "_SPARE_CORE", spare_core)
+    monkeypatch.setattr(base_module, "spare_cpu_now", lambda: spare_core)
     slots = [host_tier.allocate(nbytes) for _ in range(count)]
     sources = [pattern(nbytes, seed) for seed in range(count)]
     checksums = host_tier.write_checksummed(slots, sources)
@@ -212,7 +212,7 @@ def test_copy_all_lands_every_byte_once_and_nothing_beside(sizes, spare_core, mo
 
     import kvstore.tiers.base as base_module
 
-    monkeypatch.setattr(base_module, "_SPARE_CORE", spare_core)
+    monkeypatch.setattr(base_module, "spare_cpu_now", lambda: spare_core)
     threads, copied, copy_each = set(), [], base_module._copy_each
 
     def counted(copies):
@@ -243,7 +243,7 @@ def test_a_forked_child_copies_with_a_helper_of_its_own(monkeypatch):
 
     import kvstore.tiers.base as base_module
 
-    monkeypatch.setattr(base_module, "_SPARE_CORE", True)
+    monkeypatch.setattr(base_module, "spare_cpu_now", lambda: True)
     source, destination, copies = _guarded_copies([MiB] * 5, seed=1)
     blocks = [source[offset : offset + MiB] for offset in range(0, 5 * (MiB + 1), MiB + 1)]
     expected = [base_module.block_checksum(block) for block in blocks]

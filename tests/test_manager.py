@@ -371,7 +371,7 @@ def test_a_put_commits_each_blocks_checksum_taken_with_its_copy_not_in_a_second_
         runs.append((threading.current_thread() is threading.main_thread(), len(spans)))
         return copy_each(spans)
 
-    monkeypatch.setattr(base_module, "_SPARE_CORE", True)
+    monkeypatch.setattr(base_module, "spare_cpu_now", lambda: True)
     monkeypatch.setattr(base_module, "_copy_each_checksummed", counted)
     monkeypatch.setattr(reservations_module, "block_checksum", refuse)
     manager = make_manager(host_blocks=4 * num_blocks + 8)  # a put reserves a quarter of the tier at a time

@@ -16,6 +16,7 @@ import abc
 import ctypes
 import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -158,18 +159,18 @@ def copy_all_checksummed(destinations: Sequence[int], sources: Sequence[torch.Te
     return the XXH3-64 of each block, each cache-sized chunk hashed right after its copy
     (`copy_checksummed`).
 
-    A batch of ``HELPER_BATCH_BYTES`` or more, on a host where this process has a second
-    core, is cut in two runs of whole blocks of about equal bytes, the first copied and
+    A batch of ``HELPER_BATCH_BYTES`` or more, on a host with a CPU idle now
+    (``spare_cpu_now``), is cut in two runs of whole blocks of about equal bytes, the first copied and
     hashed on the helper thread while this one does the second (``ctypes.memmove`` and
     xxhash release the GIL): 0.99-1.24x a single-thread memcpy of the same blocks on this
     2-core host (256 KiB, 1 and 4 MiB blocks, 512 MiB), against 0.86-0.96x for the helper
     hashing every source while this thread copied them all (both threads then read the
-    sources from memory). A smaller batch, or one core, is copied here. A checksum of the
+    sources from memory). A smaller batch, or one on a busy host, is copied here. A checksum of the
     source that the destination does not match (a source changed under the copy) is
     caught wherever the block is verified: a miss, never data."""
     spans = [(destination, source.data_ptr(), source.numel()) for destination, source in zip(destinations, sources)]
     total = sum(nbytes for _, _, nbytes in spans)
-    if not _SPARE_CORE or total < HELPER_BATCH_BYTES:
+    if total < HELPER_BATCH_BYTES or not spare_cpu_now():
         return _copy_each_checksummed(spans)
     half, taken = 0, 0
     while half < len(spans) - 1 and taken + spans[half][2] <= total // 2:
@@ -190,13 +191,13 @@ def _copy_each_checksummed(spans: Sequence[tuple[int, int, int]]) -> list[int]:
 def copy_all(copies: Sequence[tuple[int, int, int]]) -> None:
     """``memmove`` each ``(destination, source, nbytes)`` of host memory.
 
-    A batch of ``HELPER_BATCH_BYTES`` or more, on a host where this process has a second
-    core, is cut in two halves of equal bytes (a block may be cut in two) and the first is
+    A batch of ``HELPER_BATCH_BYTES`` or more, on a host with a CPU idle now
+    (``spare_cpu_now``), is cut in two halves of equal bytes (a block may be cut in two) and the first is
     copied on the helper thread while this one copies the second (``ctypes.memmove``
     releases the GIL): one thread alone moves 9.5-10 GB/s on this 2-core host, two
-    11-14 GB/s (1 MiB blocks, 128 MiB). A smaller batch, or one core, is copied here."""
+    11-14 GB/s (1 MiB blocks, 128 MiB). A smaller batch, or one on a busy host, is copied here."""
     total = sum(nbytes for _, _, nbytes in copies)
-    if not _SPARE_CORE or total < HELPER_BATCH_BYTES:
+    if total < HELPER_BATCH_BYTES or not spare_cpu_now():
         _copy_each(copies)
         return
     first, second, taken = [], [], 0
@@ -235,6 +236,53 @@ def has_spare_core() -> bool:
 
 
 _SPARE_CORE = has_spare_core()
+_IDLE_SAMPLE_S = 0.25  # how often the host's idle time is read again
+_IDLE_CPUS_TO_SPARE = 0.5  # idle CPUs (on average over the last sample) that make one spare
+
+
+class _IdleCpus:
+    """How many CPUs the host left idle lately, from the first line of ``/proc/stat`` (the
+    kernel's time accounting over every CPU), read again at most every ``_IDLE_SAMPLE_S``.
+
+    Polling for an answer, or splitting a copy onto a helper thread, pays only where a CPU
+    would otherwise idle. Where every CPU is busy — vLLM's CPU engines bind an OpenMP
+    thread to each core and spin between steps — the poll or the helper takes a core from
+    the very work it waits on: an OpenMP team with one thread preempted stalls at its next
+    barrier, so the engine's step slows by far more than the CPU time taken. Races between
+    threads only ever read one sample or the next, both true of the recent past."""
+
+    def __init__(self, stat_path: str = "/proc/stat") -> None:
+        self._stat_path = stat_path
+        self._last: tuple[float, int, int] | None = None  # (when, idle ticks, all ticks)
+        self._spare = _SPARE_CORE
+
+    def spare(self) -> bool:
+        if not _SPARE_CORE:
+            return False
+        now = time.monotonic()
+        last = self._last
+        if last is not None and now - last[0] < _IDLE_SAMPLE_S:
+            return self._spare
+        try:
+            with open(self._stat_path, "rb") as stat:
+                fields = [int(value) for value in stat.readline().split()[1:]]
+        except (OSError, ValueError):
+            return self._spare  # not Linux: the affinity alone says
+        idle, total = fields[3] + fields[4], sum(fields[:8])  # idle + iowait, over user … steal
+        if last is not None and total > last[2]:
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            self._spare = (idle - last[1]) / (total - last[2]) * cpus >= _IDLE_CPUS_TO_SPARE
+        self._last = (now, idle, total)
+        return self._spare
+
+
+_IDLE_CPUS = _IdleCpus()
+
+
+def spare_cpu_now() -> bool:
+    """Whether a CPU of this host is idle now (over the last quarter second or so), so that
+    a poll or a helper thread runs on it rather than in the way of the work it serves."""
+    return _IDLE_CPUS.spare()
 
 
 def checksums_beside(buffers: Sequence[memoryview]) -> Future[list[int]]:

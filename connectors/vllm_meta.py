@@ -74,13 +74,20 @@ class ConnectorSettings:
     # True: a step's saves are committed beside the engine's steps and a finished request's
     # blocks are kept until they are (vLLM's delayed free); False: each step waits for its
     # saves, so the blocks are in the store when its output is — for a caller that sends
-    # the next request the moment the first one's output arrives and must find it stored
-    defer_saves: bool = True
+    # the next request the moment the first one's output arrives and must find it stored.
+    # None (the default): True where the engine's KV cache is on a GPU, whose copies run on
+    # a stream the step need not wait for; False on a CPU engine, whose copies are done
+    # when the step ends, so deferring would only move the commit onto a thread that takes
+    # a core from the engine's OpenMP team (KVStoreConnector resolves it)
+    defer_saves: bool | None = None
     # a KVCacheLayout name to ask vLLM for (get_required_kvcache_layout), e.g. "BLHNC":
     # block-outermost, every layer of a block in one run, as kvstore stores a block; ""
     # keeps the attention backend's own choice. The connector copies any layout; which
     # is faster on a GPU is what bench.gpu_copies measures (its LBNHC and BLHNC rows)
     kv_cache_layout: str = ""
+    # a directory where each connector half writes, about once a second, how long each of
+    # vLLM's calls into it took and its counters (vllm_times); "" writes nothing
+    hook_times_dir: str = ""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
@@ -95,6 +102,7 @@ class ConnectorSettings:
             "async_load_tiers",
             "defer_saves",
             "kv_cache_layout",
+            "hook_times_dir",
         }
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -111,11 +119,14 @@ class ConnectorSettings:
             timeouts[key] = extra.get(key, default)
             if type(timeouts[key]) not in (int, float) or not 0 < timeouts[key] <= most:
                 raise InvalidArgument(f"{key} must be a positive number of seconds, at most {most:g}, got {timeouts[key]!r}.")
-        for key in ("socket_path", "tenant_salt", "model_id", "handoff_destination"):
+        for key in ("socket_path", "tenant_salt", "model_id", "handoff_destination", "hook_times_dir"):
             if not isinstance(extra.get(key, ""), str):
                 raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be a string.")
-        if not isinstance(extra.get("defer_saves", True), bool):
-            raise InvalidArgument(f"kv_connector_extra_config['defer_saves'] must be true or false, got {extra['defer_saves']!r}.")
+        if not isinstance(extra.get("defer_saves", True), bool) and extra.get("defer_saves") is not None:
+            raise InvalidArgument(
+                f"kv_connector_extra_config['defer_saves'] must be true, false or null (GPU engines defer, CPU engines do not), "
+                f"got {extra['defer_saves']!r}."
+            )
         layout = extra.get("kv_cache_layout", "")
         if layout != "" and layout not in KV_CACHE_LAYOUTS:
             raise InvalidArgument(
@@ -137,7 +148,8 @@ class ConnectorSettings:
             daemon_timeout_s=float(timeouts["daemon_timeout_s"]),
             lookup_hold_s=float(timeouts["lookup_hold_s"]),
             async_load_tiers=tuple(TierKind(tier) for tier in dict.fromkeys(tiers)),
-            defer_saves=extra.get("defer_saves", True),
+            defer_saves=extra.get("defer_saves"),
+            hook_times_dir=extra.get("hook_times_dir", ""),
             kv_cache_layout=layout,
         )
 

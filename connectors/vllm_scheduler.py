@@ -35,6 +35,7 @@ Owner: vLLM's scheduler thread; nothing here is shared with other threads.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
@@ -84,6 +85,7 @@ class SchedulerCounters:
     handoffs_sent: int = 0
     handoffs_received: int = 0
     async_loads: int = 0  # loads from a slow tier (NVMe), beside the steps
+    lookup_s: float = 0.0  # the lookups' round trips to the daemon, on the scheduler thread
 
 
 @dataclass
@@ -303,6 +305,7 @@ class SchedulerSide:
         per_rank: list[tuple[TierKind, ...]] = []
         self._drop_hold(state)
         release, self._holds_to_release = self._holds_to_release, []
+        began = time.perf_counter()
         try:
             held = self._client.lookup_held(self._digests, hashes, self._settings.lookup_hold_s, release)
             state.hold_id = held.hold_id
@@ -315,6 +318,8 @@ class SchedulerSide:
             self.counters.lookup_failures += 1
             log_failure(logger, "lookup failed, treating it as a miss", exc)
             return ()
+        finally:
+            self.counters.lookup_s += time.perf_counter() - began
         return tuple(max(tiers, key=lambda tier: tier.rank) for tiers in zip(*per_rank))
 
     def _release(self, hold_id: int) -> None:

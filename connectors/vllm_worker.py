@@ -35,7 +35,7 @@ with the sender's own client; the receiver runs on its own thread and reports th
 ``finished_receiving``.
 
 Owner: vLLM's worker thread calls every method (and runs the CPU copies); the commit
-thread only runs the commits queued here, and is the only writer of ``saved_blocks`` and
+thread only runs the commits queued here, and is the only writer of ``saved_blocks``, ``commit_s`` and
 ``aborted_saves`` while it runs.
 """
 
@@ -53,6 +53,7 @@ from kvstore.client import KVStoreClient, Lease, PendingSave
 from kvstore.connectors.vllm_compat import (
     EngineGeometry,
     cache_writer,
+    check_cpu_binding,
     check_kv_cache,
     connector_logger,
     layer_index,
@@ -95,6 +96,9 @@ class WorkerCounters:
     saved_blocks: int = 0
     aborted_saves: int = 0
     save_wait_s: float = 0.0  # how long the steps waited for their saves (copies and commits)
+    lease_s: float = 0.0  # the loads' lease round trips to the daemon, on the worker thread
+    reserve_s: float = 0.0  # the saves' reservation round trips, on the worker thread
+    commit_s: float = 0.0  # waiting for the save copies and committing (the commit thread with defer_saves)
     handoff_wait_s: float = 0.0  # how long the steps waited for their handoffs (copies, not the decode daemon)
     handoff_blocks_sent: int = 0
     handoff_blocks_received: int = 0
@@ -150,6 +154,8 @@ class WorkerSide:
         # MLA: every rank holds the same latent KV; rank 0 saves it, every rank loads it
         self._saves_blocks = self._geometry.kv_planes == 2 or tp_rank == 0
         on_gpu = any(cache.is_cuda for cache in self._caches)  # then this process pins its own mapping of the slab
+        if not on_gpu:
+            check_cpu_binding(logger, self._geometry.tp_size)
         self._client = KVStoreClient(
             self._settings.socket_path, timeout_s=self._settings.daemon_timeout_s, require_daemon=False, pin_for_gpu=on_gpu
         )
@@ -305,11 +311,13 @@ class WorkerSide:
     def _commit(self, copies: list[CopyJob], saves: list[tuple[SaveSpec, PendingSave, bool]]) -> None:
         """Once the step's layer copies are done, commit each save that is trusted and abort
         the others (a reservation is given back only when no copy writes into it any more)."""
+        began = time.perf_counter()
         error = wait_all(copies)
         if error is not None:
             logger.error("kvstore: a layer copy into the slab failed, not saving this step: %s", error)
         for spec, pending, trusted in saves:
             self._finish_save(spec, pending, trusted and error is None)
+        self.counters.commit_s += time.perf_counter() - began
 
     # -- deferred saves: vLLM keeps a finished request's blocks until they are over ------------
     def flush_saves(self, metadata: KVStoreConnectorMetadata) -> None:
@@ -330,6 +338,8 @@ class WorkerSide:
         """Return once every save queued so far has ended (its counters are final)."""
         if self._deferred is not None:
             self._deferred.wait()
+        elif self._client is not None:
+            self._client.collect_detached()  # the commits sent in their steps: their answers are counted
         if self._sender is not None:
             self._sender.wait()
             self._count_handoffs()
@@ -375,13 +385,23 @@ class WorkerSide:
         if self._client is not None:
             self._client.close()
 
+    def _committed(self, req_id: str, num_blocks: int, stored: int | None, error: str) -> None:
+        """The answer to a commit sent without waiting (on the thread of the call that read it)."""
+        if stored is None:
+            logger.warning("kvstore: saving %d blocks of request %s failed: %s", num_blocks, req_id, error)
+        else:
+            self.counters.saved_blocks += stored
+
     # -- helpers: every daemon error becomes a miss or a skipped save ------------------------
     def _acquire(self, hashes: Sequence[bytes]) -> Lease:
+        began = time.perf_counter()
         try:
             return self._client.acquire(self._digest, hashes)
         except KVStoreError as exc:
             log_failure(logger, "lease failed, the blocks will be recomputed", exc)
             return Lease((), ())
+        finally:
+            self.counters.lease_s += time.perf_counter() - began
 
     def _release(self, lease: Lease) -> None:
         try:
@@ -390,16 +410,22 @@ class WorkerSide:
             log_failure(logger, "release failed (the daemon frees the lease when the connection goes)", exc)
 
     def _reserve(self, spec: SaveSpec) -> PendingSave | None:
+        began = time.perf_counter()
         try:
             pending = self._client.begin_save(self._digest, spec.hashes, spec.parent_hash)
         except KVStoreError as exc:
             log_failure(logger, f"cannot reserve {len(spec.hashes)} blocks, not saving them", exc)
             return None
+        finally:
+            self.counters.reserve_s += time.perf_counter() - began
         return pending
 
     def _finish_save(self, spec: SaveSpec, pending: PendingSave, complete: bool) -> None:
         try:
-            if complete:
+            if complete and self._deferred is None:
+                # in the step: its answer is not waited for (the next step's first call reads it)
+                self._client.commit_detached(pending, partial(self._committed, spec.req_id, len(pending.indices)))
+            elif complete:
                 self.counters.saved_blocks += self._client.commit(pending)
             else:
                 self._client.abort(pending)

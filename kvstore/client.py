@@ -27,7 +27,9 @@ the answer. ``KVStoreClient`` runs them over a blocking socket (engine worker th
 ``AsyncKVStoreClient`` over asyncio streams; neither holds a copy of any call's body.
 A blocking call polls for its answer for up to ``spin_s`` (200 µs by default) before it
 sleeps in ``recv``: a lookup is answered in about the time a sleeping reader takes to be
-woken on another CPU.
+woken on another CPU. It polls only while a CPU of the host is idle (``spare_cpu_now``):
+on a host whose cores the engines keep busy, the poll would take the CPU the daemon needs
+to answer, or one of the engine's own compute threads.
 
 **Never wrong, never fatal** (DESIGN decisions 12, 14):
 
@@ -79,6 +81,7 @@ from kvstore.tiers.base import (
     copy_all_checksummed,
     copy_checksummed,
     has_spare_core,
+    spare_cpu_now,
 )
 from kvstore.tiers.host import SharedSlab
 from kvstore.tiers.slab import Slot
@@ -208,7 +211,18 @@ class _Notice:
     args: tuple
 
 
-Call = Generator["_Request | _Notice | _DirectRead", Any, Any]
+@dataclass(frozen=True, slots=True)
+class _Detached:
+    """A request sent without waiting for its answer, which ``on_reply`` gets (the whole
+    reply: id, status, result) whenever a later call on the connection reads it; one that
+    never comes (the connection breaks first) is never reported."""
+
+    op: int
+    args: tuple
+    on_reply: Callable[[list], None]
+
+
+Call = Generator["_Request | _Notice | _Detached | _DirectRead", Any, Any]
 
 
 def _release_late(result: list) -> list[tuple[int, tuple]]:
@@ -374,6 +388,14 @@ class _Core:
         finally:
             self.outstanding_reservations.discard(pending.reservation_id)
         return stored
+
+    def commit_detached(self, pending: PendingSave, on_reply: Callable[[list], None]) -> Call:
+        """``commit`` without waiting for the daemon's answer (``_Detached``)."""
+        if pending.generation != self.generation:
+            raise DaemonUnavailable("the kvstore daemon restarted since these slots were reserved; nothing was stored.")
+        checksums = _checksums_of_slots(pending.views)
+        self.outstanding_reservations.discard(pending.reservation_id)  # the daemon's from here on, answered or not
+        yield _Detached(Op.COMMIT, (pending.reservation_id, None, localproto.pack_checksums(checksums)), on_reply)
 
     def abort(self, pending: PendingSave) -> Call:
         if pending.generation != self.generation:
@@ -568,6 +590,7 @@ class _Wire:
         self.next_id = 1
         self.abandoned: dict[int, _Request] = {}
         self.overdue_since = 0.0  # when the oldest abandoned request was given up
+        self.detached: dict[int, Callable[[list], None]] = {}  # requests sent without waiting -> who gets the answer
 
     def request(self, request: _Request) -> tuple[int, bytes]:
         request_id, self.next_id = self.next_id, self.next_id + 1
@@ -594,8 +617,18 @@ class _Wire:
             self.overdue_since = time.monotonic()
         self.abandoned[request_id] = request
 
+    def detach(self, step: _Detached) -> bytes:
+        request_id, frame = self.request(_Request(step.op, step.args))
+        self.detached[request_id] = step.on_reply
+        return frame
+
     def settle(self, reply: list) -> list[bytes]:
-        """A reply to an abandoned request: the notices that give back what it granted."""
+        """A reply to a detached request, for whoever waits for it; or to an abandoned
+        request: the notices that give back what it granted."""
+        on_reply = self.detached.pop(reply[0], None)
+        if on_reply is not None:
+            on_reply(reply)
+            return []
         request = self.abandoned.pop(reply[0], None)
         if request is None:
             raise DaemonUnavailable(f"the kvstore daemon answered request {reply[0]}, which this client never sent.")
@@ -637,7 +670,7 @@ class _Connection:
                 raise DaemonUnavailable(f"the kvstore daemon has not answered for {overdue:.1f}s; treating calls as misses until it does.")
         request_id, frame = self.wire.request(request)
         self._send(frame)
-        if self.spin_s:
+        if self.spin_s and spare_cpu_now():  # on a busy host the poll would take the daemon's CPU
             self._spin()
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -655,6 +688,13 @@ class _Connection:
     def notify(self, op: int, args: tuple) -> None:
         self._send(self.wire.notice(op, args))
 
+    def detach(self, step: _Detached) -> None:
+        self._send(self.wire.detach(step))
+
+    def collect_detached(self) -> None:
+        """Read replies until every detached request's answer has come (or ``timeout_s``)."""
+        self._collect(self.timeout_s, self.wire.detached)
+
     def _spin(self) -> None:
         """Poll for up to ``spin_s`` until some of the answer has arrived; the call then
         reads the rest as it always does (sleeping in recv if it is longer in coming)."""
@@ -662,14 +702,16 @@ class _Connection:
         while not self._receive(0.0) and time.perf_counter() < until:
             os.sched_yield()  # the daemon runs first where the scheduler put it on this CPU
 
-    def _collect(self, timeout_s: float) -> None:
-        """Take the late answers that arrive within ``timeout_s``, giving back what they granted."""
+    def _collect(self, timeout_s: float, awaited: dict | None = None) -> None:
+        """Take the answers that arrive within ``timeout_s`` until ``awaited`` (the abandoned
+        requests, by default; or the detached ones) is empty, giving back what late ones granted."""
+        awaited = self.wire.abandoned if awaited is None else awaited
         deadline = time.monotonic() + timeout_s
-        while self.wire.abandoned:
+        while awaited:
             for reply in self.wire.replies():
                 self._give_back(reply)
             remaining = deadline - time.monotonic()
-            if not self.wire.abandoned or remaining <= 0 or not self._receive(remaining):
+            if not awaited or remaining <= 0 or not self._receive(remaining):
                 break
         for reply in self.wire.replies():
             self._give_back(reply)
@@ -888,6 +930,32 @@ class KVStoreClient:
         returns how many blocks were stored."""
         return self._run(self._core.commit(pending))
 
+    def commit_detached(self, pending: PendingSave, on_reply: Callable[[int | None, str], None]) -> None:
+        """``commit``, without waiting for the daemon's answer: the slots' checksums are
+        taken now and the commit is sent; ``on_reply(stored, error)`` gets how many blocks
+        were stored (or None and the daemon's error) when a later call on this client reads
+        the answer, on that call's thread. For a caller on an engine's critical path, whose
+        next call comes soon (the next step's), that only counts what a commit stored."""
+
+        def reply(answer: list) -> None:
+            if answer[1] == 0:
+                on_reply(answer[2], "")
+            else:
+                on_reply(None, f"{answer[2]}: {answer[3] if len(answer) > 3 else ''}")
+
+        self._run(self._core.commit_detached(pending, reply))
+
+    def collect_detached(self) -> None:
+        """Wait (up to the client's timeout) for the answers to the commits sent without
+        waiting, so that their ``on_reply`` has run; a daemon that is away answers nothing."""
+        with self._lock:
+            if self._connection is None:
+                return
+            try:
+                self._connection.collect_detached()
+            except KVStoreError as exc:
+                self._lost(exc)
+
     def abort(self, pending: PendingSave) -> None:
         """Drop a reservation whose slots were not (all) written; nothing becomes visible."""
         self._run(self._core.abort(pending))
@@ -968,6 +1036,8 @@ class KVStoreClient:
                 with self._lock:
                     if isinstance(step, _Notice):
                         connection.notify(step.op, step.args)
+                    elif isinstance(step, _Detached):
+                        connection.detach(step)
                     else:
                         value = connection.call(step)
             except KVStoreError as exc:

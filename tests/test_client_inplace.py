@@ -53,6 +53,35 @@ def test_a_reservation_filled_layer_by_layer_is_stored_on_commit(daemon):
         assert all(torch.equal(got, block(i)) for i, got in enumerate(into))
 
 
+def test_a_commit_sent_without_waiting_is_stored_and_its_answer_reaches_the_caller_at_a_later_call(daemon):
+    """commit_detached (a CPU engine's in-step commit): the daemon stores the blocks, and
+    the answer — blocks stored, or the daemon's error — is handed over by the next call
+    that reads it, or by collect_detached."""
+    answers: list[tuple[int | None, str]] = []
+    with KVStoreClient(daemon.socket) as client, KVStoreClient(daemon.socket) as other:
+        digest = client.register_namespace(NAMESPACE)
+        pending = client.begin_save(digest, HASHES[:4], parent_hash=None)
+        for index, view in zip(pending.indices, pending.views):
+            view.copy_(block(index))
+        client.commit_detached(pending, lambda stored, error: answers.append((stored, error)))
+        deadline = time.monotonic() + 10
+        while other.lookup(other.register_namespace(NAMESPACE), HASHES).num_blocks < 4:
+            assert time.monotonic() < deadline, "the detached commit was never stored"
+            time.sleep(0.01)
+        assert client.lookup(digest, HASHES).num_blocks == 4  # this call reads the commit's answer too
+        assert answers == [(4, "")]
+        into = [torch.empty(LAYOUT.block_bytes, dtype=torch.uint8) for _ in range(4)]
+        assert client.load(digest, HASHES[:4], into) == 4
+        assert all(torch.equal(got, block(i)) for i, got in enumerate(into))
+        # a reservation the daemon no longer has: it refuses the commit, and the caller hears why
+        pending = client.begin_save(digest, HASHES[4:6], parent_hash=HASHES[3])
+        client.abort(pending)
+        client.commit_detached(pending, lambda stored, error: answers.append((stored, error)))
+        client.collect_detached()
+        assert len(answers) == 2 and answers[1][0] is None and answers[1][1], answers
+        assert client.lookup(digest, HASHES).num_blocks == 4
+
+
 def test_an_aborted_reservation_leaves_nothing_behind(daemon):
     with KVStoreClient(daemon.socket) as client:
         digest = client.register_namespace(NAMESPACE)

@@ -57,7 +57,7 @@ def test_configurations_the_connector_cannot_serve_are_refused_with_a_sentence()
         "async_load_tiers of lists": "async_load_tiers'] is a list of tiers",
         "lookup_hold_s too long": "lookup_hold_s must be a positive number of seconds, at most 600",
         "lookup_hold_s a flag": "lookup_hold_s must be a positive number of seconds",
-        "defer_saves not a flag": "defer_saves'] must be true or false",
+        "defer_saves not a flag": "defer_saves'] must be true, false or null",
         "kv_cache_layout unknown": "kv_cache_layout'] is one of vLLM's KV cache layouts (LBHNC, LBNHC",
         "kv_cache_layout not a name": "kv_cache_layout'] is one of vLLM's KV cache layouts",
     }

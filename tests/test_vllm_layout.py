@@ -3,8 +3,9 @@
 The writers here stand in for vLLM's CPU kernels (the real ones are exercised by
 test_vllm_e2e against a reference forward pass): one stores K and V alike (one view
 covers both planes, as in the GPU layouts), one stores K transposed like the ``vec``
-kernel, one packs K in pairs of dims like a VNNI/AMX layout (not affine: the
-gather path), and broken ones that lose or duplicate elements.
+kernel, one packs K in pairs of dims like a VNNI/AMX layout (affine only once the dims
+are cut in tiles: the tiled path), one scrambles K (no tiling describes it: the gather
+path), and broken ones that lose or duplicate elements.
 """
 
 import threading
@@ -41,6 +42,16 @@ def paired_k_writer(key, value, scratch):
     block[:, 1] = value.permute(1, 0, 2).reshape(HEADS, -1)
 
 
+SCRAMBLE = torch.randperm(TOKENS * DIM, generator=torch.Generator().manual_seed(0))
+
+
+def scrambled_k_writer(key, value, scratch):
+    """Per head: K's (token, dim) elements in a fixed random order, then V as (tokens, dim)."""
+    block = scratch[0].view(HEADS, 2, TOKENS * DIM)
+    block[:, 0] = key.permute(1, 0, 2).reshape(HEADS, -1)[:, SCRAMBLE]
+    block[:, 1] = value.permute(1, 0, 2).reshape(HEADS, -1)
+
+
 def reference_planes(native: torch.Tensor, writer) -> torch.Tensor:
     """(2, heads, tokens, dim) planes of a block, by inverting the writer element by element."""
     planes = torch.empty(2, HEADS, TOKENS, DIM, dtype=native.dtype)
@@ -49,13 +60,15 @@ def reference_planes(native: torch.Tensor, writer) -> torch.Tensor:
         planes[0] = block[:, 0].view(HEADS, DIM, TOKENS).transpose(1, 2)
     elif writer is plain_writer:
         planes[0] = block[:, 0].view(HEADS, TOKENS, DIM)
+    elif writer is scrambled_k_writer:
+        planes[0].view(HEADS, -1)[:, SCRAMBLE] = block[:, 0]
     else:
         planes[0] = block[:, 0].view(HEADS, DIM // 2, TOKENS, 2).permute(0, 2, 1, 3).reshape(HEADS, TOKENS, DIM)
     planes[1] = block[:, 1].view(HEADS, TOKENS, DIM)
     return planes
 
 
-@pytest.mark.parametrize("writer", [plain_writer, transposed_k_writer, paired_k_writer])
+@pytest.mark.parametrize("writer", [plain_writer, transposed_k_writer, paired_k_writer, scrambled_k_writer])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_saved_planes_are_k_then_v_head_major_and_load_restores_the_block(writer, dtype):
     order = BlockOrder.discover(writer, SHAPE, dtype, HEADS, TOKENS, DIM, "layer 0")
@@ -71,12 +84,17 @@ def test_saved_planes_are_k_then_v_head_major_and_load_restores_the_block(writer
     assert not restored[[0, 3, 4, 5]].any()  # nothing outside the target blocks was touched
 
 
-def test_planes_laid_out_alike_copy_through_one_view_the_transposed_through_one_each_the_packed_through_the_index():
+def test_planes_laid_out_alike_copy_through_one_view_the_transposed_through_one_each_the_packed_through_tiles():
     copies = {
         writer.__name__: BlockOrder.discover(writer, SHAPE, torch.bfloat16, HEADS, TOKENS, DIM, "x").copies
-        for writer in (plain_writer, transposed_k_writer, paired_k_writer)
+        for writer in (plain_writer, transposed_k_writer, paired_k_writer, scrambled_k_writer)
     }
-    assert copies == {"plain_writer": "one view", "transposed_k_writer": "a view per plane", "paired_k_writer": "gather"}
+    assert copies == {
+        "plain_writer": "one view",
+        "transposed_k_writer": "a view per plane",
+        "paired_k_writer": "tiled views",
+        "scrambled_k_writer": "gather",
+    }
 
 
 def test_a_kernel_that_leaves_elements_unwritten_is_refused():
@@ -112,7 +130,7 @@ def test_runs_join_blocks_whose_slots_are_adjacent_listing_ids_that_are_not_cons
     assert runs[1].first_slot.data_ptr() == slots[3].data_ptr()
 
 
-@pytest.mark.parametrize("writer", [plain_writer, transposed_k_writer, paired_k_writer])
+@pytest.mark.parametrize("writer", [plain_writer, transposed_k_writer, paired_k_writer, scrambled_k_writer])
 def test_the_layer_copier_moves_one_layer_of_every_run_and_nothing_else(writer):
     layout = KVLayout(num_layers=3, num_kv_heads=HEADS, head_dim=DIM, block_size=TOKENS, dtype="bfloat16", inner_order="HND")
     orders = [BlockOrder.discover(writer, SHAPE, torch.bfloat16, HEADS, TOKENS, DIM, f"layer {i}") for i in range(3)]
@@ -135,7 +153,7 @@ def test_the_layer_copier_moves_one_layer_of_every_run_and_nothing_else(writer):
     assert not restored[[b for b in range(12) if b not in blocks]].any()
 
 
-@pytest.mark.parametrize("writer", [plain_writer, transposed_k_writer, paired_k_writer])
+@pytest.mark.parametrize("writer", [plain_writer, transposed_k_writer, paired_k_writer, scrambled_k_writer])
 @pytest.mark.parametrize("blocks", [[3, 4, 5, 6], [9, 8, 7, 6], [2, 10, 5, 0]], ids=["consecutive", "counting-down", "any-order"])
 def test_a_run_of_adjacent_slots_round_trips_whatever_order_its_blocks_are_in(blocks, writer):
     layout = KVLayout(num_layers=2, num_kv_heads=HEADS, head_dim=DIM, block_size=TOKENS, dtype="bfloat16", inner_order="HND")

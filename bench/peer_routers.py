@@ -24,13 +24,12 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from bench.router_fleet import free_port
+from bench.router_fleet import free_port, stop_process, wait_healthy
 
 __all__ = ["VllmRouter", "vllm_router_binary", "routing_counters"]
 
@@ -91,29 +90,14 @@ class VllmRouter:
         with open(log, "w") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         router = cls(policy, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", command, process, log)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if httpx.get(f"{router.url}/health", timeout=2).status_code == 200:
-                    return router
-            except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                router.stop()
-                raise RuntimeError(f"vllm-router ({policy}) did not come up:\n{log.read_text()[-4000:]}")
-            time.sleep(0.2)
+        wait_healthy(router.url, process, log, f"vllm-router ({policy})", timeout_s, poll_s=0.2)
+        return router
 
     def metrics(self) -> str:
         return httpx.get(self.metrics_url, timeout=10).text
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
 
 def routing_counters(exposition: str) -> dict[str, float]:

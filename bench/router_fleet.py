@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -100,16 +101,59 @@ class RouterProcess:
         self.process.send_signal(signal.SIGHUP)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
     def metrics(self) -> str:
         return httpx.get(f"{self.url}/metrics", timeout=10).text
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float = 20) -> None:
+    """Terminate ``process`` and wait for it; kill it if it outlives ``timeout_s``."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def wait_healthy(url: str, process: subprocess.Popen, log: Path, what: str, timeout_s: float, poll_s: float = 0.3) -> None:
+    """Return once ``url``/health answers 200; stop ``process`` and raise with the end of
+    its ``log`` if it exits or ``timeout_s`` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop_process(process)
+            raise RuntimeError(f"{what} did not come up:\n{log.read_text()[-4000:]}")
+        time.sleep(poll_s)
+
+
+def run_concurrently(work: Callable[[int], None], count: int) -> float:
+    """``work(i)`` for i in range(``count``), each on a thread of its own; the seconds they
+    took together. The first exception one of them raised is raised here, once all ended."""
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as exc:  # noqa: BLE001 (re-raised in the caller's thread)
+            errors.append(exc)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return time.monotonic() - started
 
 
 def router_config(
@@ -150,17 +194,8 @@ def start_router(
             [sys.executable, "-m", "kvstore", "router", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT
         )
     router = RouterProcess(f"http://127.0.0.1:{port}", process, log, config)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{router.url}/health", timeout=2).status_code == 200:
-                return router
-        except httpx.HTTPError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            router.stop()
-            raise RuntimeError(f"the router did not come up:\n{log.read_text()[-4000:]}")
-        time.sleep(0.3)
+    wait_healthy(router.url, process, log, "the router", timeout_s=60)
+    return router
 
 
 def _namespace_lines(model: Path) -> list[str]:

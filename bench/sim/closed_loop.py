@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.sim.engine import RequestOutcome, RunResult
+from bench.sim.engine import RequestOutcome, RunResult, _Clock
 from bench.sim.policies import Fleet, RoutingPolicy
 from bench.sim.replica import TierSizes
 from bench.sim.vllm_replica import EngineSpec, Seq, StepSpeeds, VllmReplica, placeholder_hash
@@ -93,16 +93,6 @@ def turn_hashes(turn: Turn, block_tokens: int, label: str) -> list[BlockHash]:
     hashes = chain_hashes(known, block_tokens)[:num_full]
     hashes += [placeholder_hash(f"{label}/{position}") for position in range(len(hashes), num_full)]
     return hashes
-
-
-class _Clock:
-    __slots__ = ("now",)
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def simulate_sessions(sessions: Sequence[Session], policy: RoutingPolicy | None, model: FleetModel) -> RunResult:

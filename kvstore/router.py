@@ -10,6 +10,7 @@ Owner: the daemon's event loop.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -106,8 +107,17 @@ class Router:
         """What a decision needs from the index: which of ``replica_ids`` hold how much of
         the chain (their engines' GPU caches counted as theirs: index/scoring.with_engine_caches),
         and the session's affinity."""
-        matches = await self._matches(namespace, hashes, list(replica_ids)) if hashes else {}
-        affinity = await self.sessions.get(session_id) if session_id else None
+        if hashes and session_id:  # two questions at once: the request waits for one round trip, not two
+            answers = await asyncio.gather(
+                self._matches(namespace, hashes, list(replica_ids)), self.sessions.get(session_id), return_exceptions=True
+            )
+            for answer in answers:  # either failing fails the lookup, the other's answer retrieved
+                if isinstance(answer, BaseException):
+                    raise answer
+            matches, affinity = answers
+        else:
+            matches = await self._matches(namespace, hashes, list(replica_ids)) if hashes else {}
+            affinity = await self.sessions.get(session_id) if session_id else None
         return Lookup(matches, affinity)
 
     def decide(

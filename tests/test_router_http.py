@@ -239,6 +239,62 @@ def test_the_routers_token_ids_are_the_engines_for_chat_with_tools_and_completio
     assert len({digest_of(ids) for ids in engine_ids}) == len(engine_ids)  # tools, turns and flags all change the tokens
 
 
+def _completions_through(url: str, fleet: Fleet, topic: str, count: int) -> None:
+    """``count`` text completions through the router at ``url``: each routed by the token
+    ids the engine computed (the router's digest header against the engine's ids)."""
+    for i in range(count):
+        payload = {"model": fleet.model, "prompt": system_prompt(f"{topic}{i}", 60 + i), "max_tokens": 2, "return_token_ids": True}
+        if i % 3 == 2:
+            payload["add_special_tokens"] = False
+        answer = post(url, COMPLETIONS, payload)
+        assert answer.status == 200, answer.body
+        ids = answer.body["choices"][0]["prompt_token_ids"]
+        assert answer.headers["x-kvstore-prompt-digest"] == digest_of(ids), i
+        assert int(answer.headers["x-kvstore-prompt-tokens"]) == len(ids)
+
+
+def test_a_router_with_the_engines_tokenizer_tokenizes_text_completions_itself(fleet):
+    from kvstore.gateway.tokenizer import CHECK_FIRST
+
+    router = fleet.start_router("router-tokenizer", tokenizer=str(fleet.model_path))
+    try:
+        _completions_through(router.url, fleet, "local", CHECK_FIRST + 6)
+        fleet.chat([{"role": "user", "content": "hello through a router that tokenizes"}], url=router.url)
+        text = router.metrics()
+    finally:
+        router.stop()
+    # the first CHECK_FIRST prompts, and the chat request, asked an engine; the rest did not
+    assert metric(text, "kvstore_router_tokenized_total", where="engine") == CHECK_FIRST + 1
+    assert metric(text, "kvstore_router_tokenized_total", where="router") == 6
+    assert metric(text, "kvstore_router_tokenizer_mismatches_total") == 0
+
+
+def test_a_router_whose_tokenizer_disagrees_with_the_engines_stops_using_it(fleet):
+    """A tokenizer.json that adds a BOS token the engines' does not: the first prompt finds
+    the disagreement, and every request is still routed by the engine's token ids."""
+    tokenizer = json.loads((fleet.model_path / "tokenizer.json").read_text())
+    assert tokenizer["post_processor"] is None  # the engines add no special token
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}},
+    }
+    wrong = fleet.workdir / "wrong-tokenizer.json"
+    wrong.write_text(json.dumps(tokenizer))
+    router = fleet.start_router("router-wrong-tokenizer", tokenizer=str(wrong))
+    try:
+        _completions_through(router.url, fleet, "wrong", 4)
+        text = router.metrics()
+        log = router.log.read_text()
+    finally:
+        router.stop()
+    assert metric(text, "kvstore_router_tokenizer_mismatches_total") == 1
+    assert metric(text, "kvstore_router_tokenized_total", where="router") == 0
+    assert metric(text, "kvstore_router_tokenized_total", where="engine") == 4
+    assert "disagrees with the engines" in log and "first differing at position 0" in log
+
+
 def test_a_session_stays_on_its_replica_and_its_later_turns_hit(fleet):
     messages = [{"role": "system", "content": system_prompt("turns")}, {"role": "user", "content": "first question about blocks"}]
     replicas, previous_prompt = set(), 0

@@ -80,6 +80,7 @@ from kvstore.gateway.prompts import (
 from kvstore.gateway.reload import ConfigReload
 from kvstore.gateway.replicas import Replica, ReplicaSet
 from kvstore.gateway.tenant_cache import RecentChains, TenantCache
+from kvstore.gateway.tokenizer import LocalTokenizer
 from kvstore.gateway.validation import validate_request
 from kvstore.hashing import chain_hashes
 from kvstore.index.backends import open_index
@@ -105,6 +106,7 @@ class _Routed:
     started: float
     prefill_node_id: str = ""  # prefill/decode disaggregation: where the prompt was computed
     prefilling_tokens: int | None = None  # a streamed answer's uncached prompt tokens, in the queue until its first chunk
+    tokenized_here: int | None = None  # the prompt's token count where the router tokenized it (router.tokenizer)
 
     def prefilled(self) -> bool:
         """The replica has computed the prompt: its tokens leave the replica's queue (once;
@@ -136,8 +138,10 @@ class Gateway:
             timeout=httpx.Timeout(config.first_byte_timeout_s, connect=config.connect_timeout_s),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
         )
+        self.tokenizer = LocalTokenizer(config.tokenizer) if config.tokenizer else None
         self._tasks: list[asyncio.Task] = []
         self._reload_checks: set[asyncio.Task] = set()
+        self._tokenizer_checks: set[asyncio.Task] = set()
 
     def _open_index(self, config: RouterConfig) -> tuple[Index, SessionStore]:
         if config.index != DAEMONS_INDEX:
@@ -162,7 +166,7 @@ class Gateway:
             yield
         finally:
             loop.remove_signal_handler(signal.SIGHUP)
-            for task in (*self._reload_checks, *self._tasks):
+            for task in (*self._reload_checks, *self._tokenizer_checks, *self._tasks):
                 task.cancel()
             for task in self._tasks:
                 with contextlib.suppress(asyncio.CancelledError):
@@ -203,23 +207,27 @@ class Gateway:
 
     # -- the request path -----------------------------------------------------------------
     async def _serve(self, request: Request, kind: str, path: str) -> Response:
+        arrived = time.monotonic()
         tenant = self._tenant(request)
         if tenant is None:
             self.metrics.requests.labels("none", "401").inc()
             return _unauthorized()
         try:
             body, payload = await self._read(request, kind)
+            read = time.monotonic()
+            self.metrics.overhead.labels("read").observe(read - arrived)
             if self.config.salt_from_tenant:  # the tenant's, whatever the client sent: no block is keyed alike for two tenants
                 payload["cache_salt"] = tenant_salt(self.config.salt_secret, tenant)
                 body = json.dumps(payload).encode()
             stream = payload.get("stream") is True
             model = payload["model"]
             unkeyed = unkeyed_inputs(kind, payload)  # its tokens alone would be a wrong key: not asked for
-            token_ids = [] if unkeyed else await self._token_ids(kind, payload, request)
+            token_ids, tokenized_here = ([], False) if unkeyed else await self._token_ids(kind, payload, request)
             adapter, unkeyed = (None, unkeyed) if unkeyed else self._adapter(model)
             block_size = self.config.namespace.block_size
             extra_keys = block_extra_keys(payload, len(token_ids) // block_size, adapter)
             hashes = [] if unkeyed else chain_hashes(token_ids, block_size, extra_keys=extra_keys)
+            self.metrics.overhead.labels("tokenize").observe(time.monotonic() - read)
             session = session_of(request.headers, self.config.session_header, kind, payload, hashes, self.config.session_prefix_blocks)
             if session is not None and self.config.api_keys:  # the tenant's own: another naming its id neither joins nor moves it
                 session = dataclasses.replace(session, session_id=f"{tenant}/{session.session_id}")
@@ -239,6 +247,9 @@ class Gateway:
                 routed = await self._disaggregated(path, payload, headers, token_ids, hashes, session_id, tenant, unkeyed)
             else:
                 routed = await self._send(path, body, headers, token_ids, hashes, session_id, model=model, unkeyed=unkeyed, streamed=stream)
+                self.metrics.overhead.labels("total").observe(routed.started - arrived)
+                if tokenized_here:
+                    routed.tokenized_here = len(token_ids)
         except _NoReplica as exc:
             self.metrics.requests.labels("none", "503").inc()
             return openai_error(503, str(exc), "service_unavailable")
@@ -327,10 +338,41 @@ class Gateway:
             return None, f"the replicas serving {ascii(model[:80])} do not agree on its LoRA adapter's path"
         return LoraAdapter(model, path), ""
 
-    async def _token_ids(self, kind: str, payload: dict[str, Any], request: Request) -> list[int]:
+    async def _token_ids(self, kind: str, payload: dict[str, Any], request: Request) -> tuple[list[int], bool]:
+        """The prompt's token ids as the engine computes them, and whether the router's own
+        tokenizer gave them (router.tokenizer, tokenizer.py; checked against the engines)."""
         given = prompt_token_ids(kind, payload)
         if given is not None:
-            return given
+            return given, False
+        local = self.tokenizer
+        text = LocalTokenizer.text_of(kind, payload) if local is not None and local.usable else None
+        if local is None or text is None:
+            self.metrics.tokenized.labels("engine").inc()
+            return await self._engine_token_ids(kind, payload, request), False
+        mine = local.encode(*text)
+        if not local.trusted:  # still checking it: the engine's answer routes
+            theirs = await self._engine_token_ids(kind, payload, request)
+            self.metrics.tokenized.labels("engine").inc()
+            if not local.compare(mine, theirs):
+                self.metrics.tokenizer_mismatches.inc()
+            return theirs, False
+        if local.check_due():
+            task = asyncio.get_running_loop().create_task(self._check_tokens(mine, kind, payload, request))
+            self._tokenizer_checks.add(task)
+            task.add_done_callback(self._tokenizer_checks.discard)
+        self.metrics.tokenized.labels("router").inc()
+        return mine, True
+
+    async def _check_tokens(self, mine: list[int], kind: str, payload: dict[str, Any], request: Request) -> None:
+        """One prompt the router tokenized, checked against an engine off the request's path."""
+        try:
+            theirs = await self._engine_token_ids(kind, payload, request)
+        except (_Upstream, _NoReplica, httpx.HTTPError, ValueError):
+            return  # no engine answered: checked with a later prompt
+        if self.tokenizer is not None and not self.tokenizer.compare(mine, theirs):
+            self.metrics.tokenizer_mismatches.inc()
+
+    async def _engine_token_ids(self, kind: str, payload: dict[str, Any], request: Request) -> list[int]:
         tokenize = tokenize_request(kind, payload)
         headers = self._engine_headers(request, ("authorization",))
         for replica in self.replicas.healthy(payload["model"]):  # only those know an adapter's name
@@ -374,7 +416,9 @@ class Gateway:
             asked = [c.node_id for c in self.replicas.candidates(excluded, roles, model)]
             if not asked:
                 break
+            asking = time.monotonic()
             lookup = await self.router.look_up(ns.digest, hashes, asked, session_id)
+            self.metrics.overhead.labels("lookup").observe(time.monotonic() - asking)
             # the load as it is now, after the index's answer: from here to the increments
             # below nothing awaits, so a concurrent request decides with this one counted
             members = dict(self.replicas.replicas)  # and a reload while a request is sent must not lose its replica
@@ -395,12 +439,14 @@ class Gateway:
             self.metrics.decisions.labels(kind).inc()
             if decision.moved_from is not None:
                 self.metrics.session_moves.labels(kind).inc()
+            remembering = time.monotonic()
             try:
                 await self.router.remember(session_id, decision)
             except BaseException:
                 self._release(replica, uncached)
                 raise
             started = time.monotonic()
+            self.metrics.overhead.labels("remember").observe(started - remembering)
             try:
                 upstream = await self.client.send(
                     self.client.build_request("POST", f"{replica.config.url}{path}", content=body, headers=headers), stream=True
@@ -534,6 +580,10 @@ class Gateway:
         cached = details.get("cached_tokens") or 0
         if isinstance(prompt, int) and isinstance(cached, int):
             self.metrics.usage(node_id, tenant, prompt, cached)
+        tokenizer = self.tokenizer
+        if isinstance(prompt, int) and routed.tokenized_here is not None and tokenizer is not None and routed.upstream.status_code == 200:
+            if not tokenizer.compare_count(routed.tokenized_here, prompt):
+                self.metrics.tokenizer_mismatches.inc()
 
     def _tenant(self, request: Request) -> str | None:
         """The request's tenant. With API keys, the one its key names — a tenant header is

@@ -45,6 +45,13 @@ tenants never share KV (the secret comes from ``KVSTORE_ROUTER_SALT_SECRET`` or 
     api_keys_file = "/etc/kvstore/router-keys.toml"   # "sk-…" = "team-a"; and/or KVSTORE_ROUTER_API_KEYS
     salt_from_tenant = true
     salt_secret_file = "/etc/kvstore/router-salt"     # else KVSTORE_ROUTER_SALT_SECRET
+
+The router needs each prompt's token ids; by default it asks an engine's ``/tokenize``.
+Given the model's tokenizer file, it tokenizes text completions itself — no round trip on
+the request's path — and keeps checking its answers against the engines' (tokenizer.py)::
+
+    [router]
+    tokenizer = "/models/qwen/tokenizer.json"   # or the model's directory
 """
 
 from __future__ import annotations
@@ -138,6 +145,9 @@ class RouterConfig:
     api_keys_file: str = ""  # key → tenant (auth.py); with KVSTORE_ROUTER_API_KEYS, what api_keys holds
     salt_from_tenant: bool = False  # each request's cache_salt is its tenant's (auth.tenant_salt), the client's replaced
     salt_secret_file: str = ""  # the secret of tenant salts; else KVSTORE_ROUTER_SALT_SECRET
+    # the model's tokenizer.json (or its directory): text completions are tokenized in the
+    # router, checked against the engines (tokenizer.py); "": every prompt asks an engine's /tokenize
+    tokenizer: str = ""
     api_keys: ApiKeys = ApiKeys()  # none: every client is let in, and names its own tenant (tenant_header)
     salt_secret: bytes = dataclasses.field(default=b"", repr=False)
 

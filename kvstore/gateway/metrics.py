@@ -28,6 +28,7 @@ __all__ = ["RouterMetrics", "TenantLabels", "OTHER_TENANT"]
 
 OTHER_TENANT = "other"
 _TOKEN_BUCKETS = tuple(float(2**i) for i in range(4, 19))  # 16 … 256K tokens
+_OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
 
 
@@ -65,6 +66,28 @@ class RouterMetrics:
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
+        self.overhead = Histogram(
+            "kvstore_router_overhead_seconds",
+            "The router's own time per request before the engine has it, by phase: read (the body, checked), tokenize "
+            "(the prompt's token ids and block keys), lookup (the index's answer), remember (the session's placement), "
+            "total (arrival to the request's sending, retries included)",
+            ["phase"],
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.tokenized = Counter(
+            "kvstore_router_tokenized",
+            "Prompts whose token ids the router computed itself (router.tokenizer) or asked an engine's /tokenize for",
+            ["where"],
+            registry=r,
+        )
+        self.tokenizer_mismatches = Counter(
+            "kvstore_router_tokenizer_mismatches",
+            "Prompts router.tokenizer tokenized otherwise than an engine: at the first the router stops using it",
+            registry=r,
+        )
+        for where in ("router", "engine"):
+            self.tokenized.labels(where)
         self.prompt_tokens = Histogram(
             "kvstore_router_prompt_tokens", "Prompt tokens per request (engine usage)", ["replica"], buckets=_TOKEN_BUCKETS, registry=r
         )

@@ -66,6 +66,8 @@ def engine_queue(exposition: str) -> int:
     """Requests running and waiting on an engine, from its Prometheus text."""
     total = 0.0
     for line in exposition.splitlines():
+        if not line.startswith(_QUEUE_GAUGES):  # most of an engine's exposition: not looked at further
+            continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in _QUEUE_GAUGES:
             try:

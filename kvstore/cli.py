@@ -19,6 +19,7 @@ import functools
 import json
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ class Context:
         self.token = token
         self.token_file: Path | None = None  # the one the daemon's state file names
         self.as_json = as_json
+        self.router: tuple[str, str | None] = ("", None)  # `kvstore sessions`: the router's URL and API key
 
     def client(self):
         from kvstore.api.client import connect
@@ -379,6 +381,15 @@ def _print_router(document: dict) -> None:
     cv = document["hit_rate_cv"]
     click.echo(f"hit-rate spread across replicas: std {document['hit_rate_std']:.3f}, CV {'-' if cv is None else f'{cv:.3f}'}")
     click.echo(f"decisions {document['decisions']}  session moves {document['session_moves']}")
+    causes = {node_id: r.get("causes", {}) for node_id, r in document["replicas"].items()}
+    if any(causes.values()):
+        from kvstore.gateway.metrics import MISS_CAUSES
+
+        names = [c for c in MISS_CAUSES if any(by.get(c) for by in causes.values())]
+        click.echo("prefill tokens by why they were not cached:")
+        _table(["replica", *names], [[node_id, *(by.get(c, 0) for c in names)] for node_id, by in causes.items()])
+    if document.get("diverged_turns"):
+        click.echo(f"session turns that broke their prefix, by the part that changed: {document['diverged_turns']}")
     if document["tenants"]:
         columns = ["tenant", "prompt tokens", "prefill tokens", "cached tokens", "cache bytes held", "cache blocks"]
         rows = [
@@ -424,6 +435,91 @@ def stats(ctx: Context, watch: float | None, fleet: bool, router_url: str | None
                 return
             if not ctx.as_json:
                 click.echo()
+
+
+def _router_get(router_url: str, path: str, key: str | None) -> Any:
+    """A GET of the router's JSON API; exits with the router's sentence on an error."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"{router_url.rstrip('/')}{path}", headers={"authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = f"HTTP {exc.code}"
+        _fail(message, EXIT_UNAUTHENTICATED if exc.code == 401 else EXIT_REJECTED)
+    except OSError as exc:
+        _fail(f"the router at {router_url} does not answer ({exc}); is `kvstore router` running there?", EXIT_UNREACHABLE)
+
+
+_ROUTER_URL = click.option(
+    "--router", "router_url", default="http://127.0.0.1:8000", show_default=True, envvar="KVSTORE_ROUTER", help="the kvstore router's URL."
+)
+_ROUTER_KEY = click.option("--key", envvar="KVSTORE_ROUTER_KEY", help="an API key of the router's: its tenant's sessions alone.")
+
+
+@main.group(invoke_without_command=True)
+@_ROUTER_URL
+@_ROUTER_KEY
+@click.option("--tenant", help="only this tenant's sessions (a router without API keys).")
+@click.pass_context
+def sessions(click_ctx: click.Context, router_url: str, key: str | None, tenant: str | None) -> None:
+    """The agent sessions the router keeps: turns, cached and computed tokens, and the turns
+    whose prompt did not extend the previous one (`kvstore sessions show ID` says where)."""
+    click_ctx.obj.router = (router_url, key)
+    if click_ctx.invoked_subcommand is not None:
+        return
+    query = f"?tenant={urllib.parse.quote(tenant)}" if tenant else ""
+    rows = _router_get(router_url, f"/kvstore/sessions{query}", key)["sessions"]
+    ctx: Context = click_ctx.obj
+    if ctx.as_json:
+        click.echo(json.dumps({"sessions": rows}, sort_keys=True))
+        return
+    columns = ["session", "tenant", "turns", "replica", "prompt tokens", "cached", "prefill", "divergences", "tokens lost"]
+    _table(
+        columns,
+        [
+            [r["session"], r["tenant"], r["turns"], r["replica"], r["prompt_tokens"], r["cached_tokens"], r["prefill_tokens"]]
+            + [r["divergences"], r["lost_tokens"]]
+            for r in rows
+        ],
+    )
+
+
+@sessions.command(name="show")
+@click.argument("session_id")
+@click.pass_obj
+def sessions_show(ctx: Context, session_id: str) -> None:
+    """One session's turns: per turn its replica, tokens, the computed tokens by cause, and
+    where its prompt diverged from the previous turn's (position, tokens lost, the part of
+    the conversation, the token ids around the point; their text where the router's
+    router.session_text allows)."""
+    router_url, key = ctx.router
+    document = _router_get(router_url, f"/kvstore/sessions/{urllib.parse.quote(session_id, safe='')}", key)
+    if ctx.as_json:
+        click.echo(json.dumps(document, sort_keys=True))
+        return
+    click.echo(f"session {document['session']} (tenant {document['tenant']})")
+    rows = []
+    for turn in document["turns"]:
+        causes = ", ".join(f"{cause} {n}" for cause, n in turn["causes"].items() if n) or "-"
+        divergence = turn.get("divergence")
+        where = "extends the previous turn" if divergence is None else f"diverged at token {divergence['at']} in {divergence['part']}"
+        if divergence is not None:
+            where += f", {divergence['lost_tokens']} tokens lost"
+        rows.append([turn["number"], turn["replica"], turn["prompt_tokens"], turn["cached_tokens"], causes, where])
+    _table(["turn", "replica", "prompt tokens", "cached", "computed by cause", "prefix"], rows)
+    for turn in document["turns"]:
+        divergence = turn.get("divergence")
+        if divergence is None:
+            continue
+        click.echo(f"turn {turn['number']}: before {divergence['before']} after {divergence['after']}")
+        if divergence.get("before_text") is not None:
+            click.echo(f"  before {divergence['before_text']!r}\n  after  {divergence['after_text']!r}")
 
 
 @main.command(name="ls")

@@ -10,6 +10,12 @@ file GATE exists (at once without one), which a test creates when the "prefill" 
 end — then the usage and ``[DONE]``. With HEADERS_GATE, even the headers wait for that
 file (an engine slow to answer at all).
 
+It keeps a prefix cache as vLLM's does, without eviction: the whole blocks (of
+``BLOCK_TOKENS``) of every prompt it computed; a prompt's usage reports as cached the
+longest prefix of whole blocks it holds, less one block when that would be the whole
+prompt (an engine computes at least the last token). ``POST /reset_prefix_cache`` empties
+it (vLLM's endpoint of that name).
+
 Its /metrics reports vLLM's ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``
 as vLLM does: the completions it has received and not finished, whoever sent them. A
 completion finishes, as in vLLM's scheduler, when its last token is computed, before the
@@ -23,6 +29,30 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+BLOCK_TOKENS = 16  # the router tests' block size (test_engine_subscriptions.BLOCK)
+
+
+class _PrefixCache:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blocks: set[tuple[int, ...]] = set()  # every cached whole-block prefix
+
+    def serve(self, prompt: list[int]) -> int:
+        """The prompt's cached tokens; its whole blocks are cached from now on."""
+        whole = len(prompt) // BLOCK_TOKENS
+        with self._lock:
+            cached = 0
+            while cached < whole and tuple(prompt[: (cached + 1) * BLOCK_TOKENS]) in self._blocks:
+                cached += 1
+            for k in range(cached + 1, whole + 1):
+                self._blocks.add(tuple(prompt[: k * BLOCK_TOKENS]))
+        tokens = cached * BLOCK_TOKENS
+        return tokens - BLOCK_TOKENS if tokens and tokens == len(prompt) else tokens
+
+    def reset(self) -> None:
+        with self._lock:
+            self._blocks.clear()
 
 
 class _Running:
@@ -63,6 +93,7 @@ class _Running:
 
 def serve(name: str, model: str, gate: Path | None = None, headers_gate: Path | None = None) -> None:
     running = _Running()
+    cache = _PrefixCache()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -82,12 +113,18 @@ def serve(name: str, model: str, gate: Path | None = None, headers_gate: Path | 
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+            if self.path == "/reset_prefix_cache":
+                cache.reset()
+                self._answer(200, {})
+                return
             if self.path != "/v1/completions":
                 self._answer(404, {"error": {"message": f"{self.path} is not served here"}})
                 return
             prompt = body.get("prompt")
             num_tokens = len(prompt) if isinstance(prompt, list) else 0
+            cached = cache.serve(prompt) if isinstance(prompt, list) else 0
             usage = {"prompt_tokens": num_tokens, "completion_tokens": 1, "total_tokens": num_tokens + 1}
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
             finish = running.start()
             try:
                 if body.get("stream") is True:

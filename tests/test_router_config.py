@@ -352,7 +352,9 @@ def test_every_metric_the_grafana_dashboard_queries_exists():
     # the list: TTFT, prompt and computed tokens, hit rate and spread, decisions, moves, tenants
     names = (
         "ttft_seconds_bucket",
-        "prefill_tokens_sum",
+        "prefill_tokens_per_request_sum",
+        "prefill_tokens_total",  # by cause
+        "diverged_turns_total",
         "hit_rate_spread",
         "decisions_total",
         "session_moves_total",

@@ -295,6 +295,38 @@ def test_a_router_whose_tokenizer_disagrees_with_the_engines_stops_using_it(flee
     assert "disagrees with the engines" in log and "first differing at position 0" in log
 
 
+def test_a_session_log_finds_a_timestamp_in_the_system_prompt_and_a_stripped_answer_where_they_are(fleet):
+    """Six turns of a chat: at turn 3 the client's system prompt gains a timestamp, at turn
+    5 it sends turn 4's answer back without its first words (stripped "reasoning"). The
+    router reports each divergence at the token the engine's own prompt ids first differ."""
+    session = "diverging-chat"
+    system = system_prompt("divergence", 120)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "look at the tier code"}]
+    prompts = []
+    for turn in range(1, 7):
+        if turn == 3:
+            messages[0] = {"role": "system", "content": system.replace("divergence:", "divergence: it is 2026-12-06 10:00,", 1)}
+        words = list(range(300, 400))  # tokens the tiny tokenizer decodes to text (the model has more ids than it)
+        answer = fleet.chat(messages, session=session, return_token_ids=True, tools=TOOLS[:1], ignore_eos=True, allowed_token_ids=words)
+        prompts.append(answer.body["prompt_token_ids"])
+        text = answer.body["choices"][0]["message"]["content"] or ""
+        assert len(text) >= 2, json.dumps(answer.body)[:3000]  # an answer with something to strip
+        sent_back = text[len(text) // 2 :] if turn == 4 else text
+        messages += [{"role": "assistant", "content": sent_back}, {"role": "user", "content": f"next step {turn}"}]
+    found = httpx.get(f"{fleet.router.url}/kvstore/sessions/{session}", timeout=10)
+    assert found.status_code == 200, found.text
+    turns = {t["number"]: t for t in found.json()["turns"]}
+    assert [n for n, t in turns.items() if t["divergence"]] == [3, 5]
+    at_3 = next(i for i, (a, b) in enumerate(zip(prompts[1], prompts[2])) if a != b)
+    assert (turns[3]["divergence"]["at"], turns[3]["divergence"]["part"]) == (at_3, "system prompt")
+    assert turns[3]["divergence"]["lost_tokens"] >= len(prompts[1]) - at_3
+    assert turns[3]["divergence"]["after"][8] == prompts[2][at_3]  # the token ids around the point, this turn's
+    assert prompts[4][: len(prompts[3])] == prompts[3]  # turn 5 extends turn 4's prompt, not its answer
+    assert (turns[5]["divergence"]["at"], turns[5]["divergence"]["part"]) == (len(prompts[3]), "the last answer")
+    assert all(t["done"] and sum(t["causes"].values()) == t["prompt_tokens"] - t["cached_tokens"] for t in turns.values())
+    assert turns[6]["divergence"] is None and turns[6]["causes"]["diverged"] == 0
+
+
 def test_a_session_stays_on_its_replica_and_its_later_turns_hit(fleet):
     messages = [{"role": "system", "content": system_prompt("turns")}, {"role": "user", "content": "first question about blocks"}]
     replicas, previous_prompt = set(), 0

@@ -66,6 +66,7 @@ from kvstore.gateway.auth import presented_key, tenant_salt
 from kvstore.gateway.config import DAEMONS_INDEX, RouterConfig
 from kvstore.gateway.disagg import decode_transfer_params, prefill_request
 from kvstore.gateway.metrics import RouterMetrics
+from kvstore.gateway.misses import RouteView, SeenBlocks, attribute
 from kvstore.gateway.openai_errors import engine_error, openai_error
 from kvstore.gateway.prompts import (
     BadRequest,
@@ -79,6 +80,7 @@ from kvstore.gateway.prompts import (
 )
 from kvstore.gateway.reload import ConfigReload
 from kvstore.gateway.replicas import Replica, ReplicaSet
+from kvstore.gateway.session_log import Answer, SessionLog, Turn, answer_digest
 from kvstore.gateway.tenant_cache import RecentChains, TenantCache
 from kvstore.gateway.tokenizer import LocalTokenizer
 from kvstore.gateway.validation import validate_request
@@ -107,6 +109,8 @@ class _Routed:
     prefill_node_id: str = ""  # prefill/decode disaggregation: where the prompt was computed
     prefilling_tokens: int | None = None  # a streamed answer's uncached prompt tokens, in the queue until its first chunk
     tokenized_here: int | None = None  # the prompt's token count where the router tokenized it (router.tokenizer)
+    held: tuple[int, int] = (0, 0)  # the prompt's leading blocks the chosen replica held, and the most another held
+    accounting: _Accounting | None = None  # what its miss attribution and the session log need (keyed requests)
 
     def prefilled(self) -> bool:
         """The replica has computed the prompt: its tokens leave the replica's queue (once;
@@ -116,6 +120,56 @@ class _Routed:
         self.replica.prefilled(self.prefilling_tokens)
         self.prefilling_tokens = None
         return True
+
+
+@dataclass(slots=True)
+class _Accounting:
+    """A keyed request's prompt as routed: what its answer's usage is attributed against
+    (misses.py) and the session's turn it is (session_log.py)."""
+
+    view: RouteView
+    tenant: str
+    hashes: list
+    token_ids: list[int]
+    payload: dict[str, Any]
+    session_id: str = ""
+    turn: Turn | None = None
+    answer: _AnswerText | None = None  # a session's chat answer, read as it streams
+
+
+class _AnswerText:
+    """A streamed chat answer's text and tool calls, from its SSE events as they pass: the
+    session log compares it with what the client sends back next turn."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self._content: list[str] = []
+        self._calls: dict[int, list[str]] = {}  # index -> [name, arguments]
+
+    def feed(self, chunk: bytes) -> None:
+        lines = (self._pending + chunk).split(b"\n")
+        self._pending = lines.pop()
+        for line in lines:
+            if line.startswith(b"data: {"):
+                try:
+                    event = json.loads(line[6:])
+                except ValueError:
+                    continue
+                for choice in event.get("choices") or ():
+                    self._delta(choice.get("delta") or {})
+
+    def _delta(self, delta: dict) -> None:
+        if isinstance(delta.get("content"), str):
+            self._content.append(delta["content"])
+        for call in delta.get("tool_calls") or ():
+            entry = self._calls.setdefault(call.get("index", 0), ["", ""])
+            function = call.get("function") or {}
+            entry[0] += function.get("name") or ""
+            entry[1] += function.get("arguments") or ""
+
+    def digest(self) -> int:
+        calls = [{"function": {"name": name, "arguments": arguments}} for _, (name, arguments) in sorted(self._calls.items())]
+        return answer_digest("".join(self._content), calls)
 
 
 class _NoReplica(Exception):
@@ -139,6 +193,8 @@ class Gateway:
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
         )
         self.tokenizer = LocalTokenizer(config.tokenizer) if config.tokenizer else None
+        self.seen = SeenBlocks(config.seen_blocks)  # the chains the fleet computed: what a miss was evicted from
+        self.session_log = SessionLog(config.session_log_sessions)
         self._tasks: list[asyncio.Task] = []
         self._reload_checks: set[asyncio.Task] = set()
         self._tokenizer_checks: set[asyncio.Task] = set()
@@ -196,6 +252,62 @@ class Gateway:
             return openai_error(503, "No engine replica is healthy; the router has no model to serve.", "service_unavailable")
         return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "kvstore-router"} for m in models]})
 
+    async def session_list(self, request: Request) -> Response:
+        """``GET /kvstore/sessions``: the sessions the router keeps, most recent first, with
+        their turns, tokens and divergences (session_log.py). With API keys, the presenting
+        key's tenant's alone; without, every tenant's (``?tenant=`` for one)."""
+        tenant, allowed = self._reader(request)
+        if not allowed:
+            return _unauthorized()
+        return JSONResponse({"sessions": self.session_log.sessions(tenant)})
+
+    async def session_show(self, request: Request) -> Response:
+        """``GET /kvstore/sessions/{id}``: one session's turns — where each diverged from the
+        one before, the token ids around the point, and (``router.session_text``) their text."""
+        tenant, allowed = self._reader(request)
+        if not allowed:
+            return _unauthorized()
+        session_id = request.path_params["session_id"]
+        named = [session_id, f"h:{session_id}"]  # as listed, or as the client named it in its session header
+        if tenant and self.config.api_keys:  # the tenant's own id
+            named += [f"{tenant}/{session_id}", f"{tenant}/h:{session_id}"]
+        found = next((s for s in (self.session_log.session(n, tenant) for n in named) if s is not None), None)
+        if found is None:
+            message = f"The router keeps no session {session_id!r} (unknown, or forgotten: it keeps the latest ones)."
+            return openai_error(404, message, code="not_found")
+        if self.config.session_text:
+            for turn in found["turns"]:
+                divergence = turn.get("divergence")
+                if divergence:
+                    divergence["before_text"] = await self._decode(divergence["before"])
+                    divergence["after_text"] = await self._decode(divergence["after"])
+        return JSONResponse(found)
+
+    def _reader(self, request: Request) -> tuple[str | None, bool]:
+        """Whose sessions a reader of the session log sees: (its tenant, allowed). With API
+        keys, the key's tenant; without, the ``tenant`` query parameter (None: all)."""
+        if self.config.api_keys:
+            tenant = self._tenant(request)
+            return tenant, tenant is not None
+        return request.query_params.get("tenant") or None, True
+
+    async def _decode(self, token_ids: list[int]) -> str | None:
+        """Token ids as text: by the router's tokenizer, else an engine's /detokenize (None when none answers)."""
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(token_ids)
+        for replica in self.replicas.healthy():
+            model = next(iter(replica.models), None)
+            if model is None:
+                continue
+            try:
+                answer = await self.client.post(f"{replica.config.url}/detokenize", json={"model": model, "tokens": token_ids})
+            except httpx.HTTPError:
+                continue
+            if answer.status_code == 200:
+                text = answer.json().get("prompt")
+                return text if isinstance(text, str) else None
+        return None
+
     async def prometheus(self, _request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -250,6 +362,8 @@ class Gateway:
                 self.metrics.overhead.labels("total").observe(routed.started - arrived)
                 if tokenized_here:
                     routed.tokenized_here = len(token_ids)
+                if hashes:
+                    routed.accounting = self._account(routed, tenant, session_id, kind, token_ids, hashes, payload, stream)
         except _NoReplica as exc:
             self.metrics.requests.labels("none", "503").inc()
             return openai_error(503, str(exc), "service_unavailable")
@@ -287,7 +401,7 @@ class Gateway:
         finally:
             await routed.upstream.aclose()
             self._finish(routed)
-        self._observe(routed, tenant, stream=False, usage=_usage_of(content))
+        self._observe(routed, tenant, stream=False, usage=_usage_of(content), answer=_answer_of(content))
         if 400 <= routed.upstream.status_code < 500:
             return engine_error(routed.upstream.status_code, content, kind, payload, info)
         return Response(content, routed.upstream.status_code, info, media_type=routed.upstream.headers.get("content-type"))
@@ -467,7 +581,10 @@ class Gateway:
                 failures.append(f"{replica.node_id}: HTTP {upstream.status_code}")
                 self.metrics.retries.labels(replica.node_id, "http_5xx").inc()
                 continue
+            held = [m.num_blocks for node_id, m in lookup.matches.items() if node_id != replica.node_id]
+            chosen = lookup.matches.get(replica.node_id)
             routed = _Routed(replica, decision, upstream, started, prefilling_tokens=uncached)
+            routed.held = (chosen.num_blocks if chosen is not None else 0, max(held, default=0))
             if not (streamed and upstream.status_code == 200):
                 self._prefilled(routed)
             return routed
@@ -562,13 +679,17 @@ class Gateway:
                     self._prefilled(routed)
                     first = False
                 tail = (tail + chunk)[-_USAGE_TAIL_BYTES:]
+                if routed.accounting is not None and routed.accounting.answer is not None:
+                    routed.accounting.answer.feed(chunk)
                 yield chunk
         finally:
             await routed.upstream.aclose()
             self._finish(routed)
-        self._observe(routed, tenant, stream=True, usage=_stream_usage(tail))
+        accounting = routed.accounting
+        answer = accounting.answer.digest() if accounting is not None and accounting.answer is not None else None
+        self._observe(routed, tenant, stream=True, usage=_stream_usage(tail), answer=answer)
 
-    def _observe(self, routed: _Routed, tenant: str, stream: bool, usage: dict | None) -> None:
+    def _observe(self, routed: _Routed, tenant: str, stream: bool, usage: dict | None, answer: int | None = None) -> None:
         node_id = routed.replica.node_id
         self.metrics.requests.labels(node_id, str(routed.upstream.status_code)).inc()
         if not stream:
@@ -580,10 +701,52 @@ class Gateway:
         cached = details.get("cached_tokens") or 0
         if isinstance(prompt, int) and isinstance(cached, int):
             self.metrics.usage(node_id, tenant, prompt, cached)
+            if routed.upstream.status_code == 200:
+                self._attribute(routed, tenant, prompt, cached, usage.get("completion_tokens"), answer)
         tokenizer = self.tokenizer
         if isinstance(prompt, int) and routed.tokenized_here is not None and tokenizer is not None and routed.upstream.status_code == 200:
             if not tokenizer.compare_count(routed.tokenized_here, prompt):
                 self.metrics.tokenizer_mismatches.inc()
+
+    def _account(
+        self,
+        routed: _Routed,
+        tenant: str,
+        session_id: str,
+        kind: str,
+        token_ids: list[int],
+        hashes: list,
+        payload: dict[str, Any],
+        stream: bool,
+    ) -> _Accounting:
+        """What the router knew of a keyed request's prompt as it routed it (misses.RouteView),
+        and, for a session, its turn in the session log (whose divergence is counted now)."""
+        turn, kept, sent = None, 0, 0
+        if session_id:
+            turn, kept, sent = self.session_log.begin(session_id, tenant, routed.replica.node_id, token_ids, payload)
+            if turn.divergence is not None:
+                self.metrics.diverged(turn.divergence.part, turn.divergence.lost_tokens)
+        chosen, elsewhere = routed.held
+        view = RouteView(len(hashes), chosen, elsewhere, self.seen.prefix(hashes), kept, sent)
+        answer = _AnswerText() if session_id and kind == "chat" and stream else None
+        return _Accounting(view, tenant, hashes, token_ids, payload, session_id, turn, answer)
+
+    def _attribute(self, routed: _Routed, tenant: str, prompt: int, cached: int, completion: Any, answer: int | None) -> None:
+        """A request's computed tokens by cause (misses.py), counted; its chain is the
+        fleet's now, and its turn is the session's latest."""
+        node_id = routed.replica.node_id
+        accounting = routed.accounting
+        if accounting is None:  # not keyed: the router cannot say
+            self.metrics.misses(node_id, tenant, {"unkeyed": max(prompt - cached, 0)})
+            return
+        causes = attribute(accounting.view, prompt, cached, self.config.namespace.block_size)
+        self.metrics.misses(node_id, tenant, causes)
+        self.seen.record(accounting.hashes)
+        turn = accounting.turn
+        if turn is not None:
+            turn.prompt_tokens, turn.cached_tokens, turn.causes = prompt, cached, causes
+            done = Answer(completion if isinstance(completion, int) else 0, answer)
+            self.session_log.finish(accounting.session_id, turn, accounting.token_ids, accounting.payload, done)
 
     def _tenant(self, request: Request) -> str | None:
         """The request's tenant. With API keys, the one its key names — a tenant header is
@@ -648,6 +811,15 @@ def _reason_kind(reason: str) -> str:
     return "best_cost"
 
 
+def _answer_of(content: bytes) -> int | None:
+    """The digest of a chat answer's message (session_log.answer_digest); None for any other answer."""
+    try:
+        message = json.loads(content)["choices"][0]["message"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    return answer_digest(message.get("content"), message.get("tool_calls")) if isinstance(message, dict) else None
+
+
 def _usage_of(content: bytes) -> dict | None:
     try:
         usage = json.loads(content).get("usage")
@@ -675,6 +847,8 @@ def build_app(config: RouterConfig, load: Callable[[], RouterConfig] | None = No
         Route("/v1/models", gateway.models, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/metrics", gateway.prometheus, methods=["GET"]),
+        Route("/kvstore/sessions", gateway.session_list, methods=["GET"]),
+        Route("/kvstore/sessions/{session_id:path}", gateway.session_show, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=gateway.lifespan)
     app.state.gateway = gateway

@@ -148,6 +148,13 @@ class RouterConfig:
     # the model's tokenizer.json (or its directory): text completions are tokenized in the
     # router, checked against the engines (tokenizer.py); "": every prompt asks an engine's /tokenize
     tokenizer: str = ""
+    # miss attribution and the session log (misses.py, session_log.py): the block keys of the
+    # chains the fleet computed kept to tell an evicted block from a new one (~100 bytes
+    # each), the sessions whose turns are kept, and whether an operator reading a session
+    # sees the decoded text around a divergence (tenants' data) besides its token ids
+    seen_blocks: int = 262_144
+    session_log_sessions: int = 1000
+    session_text: bool = False
     api_keys: ApiKeys = ApiKeys()  # none: every client is let in, and names its own tenant (tenant_header)
     salt_secret: bytes = dataclasses.field(default=b"", repr=False)
 
@@ -185,6 +192,8 @@ class RouterConfig:
             "max_attempts",
             "tenant_cache_chains",
             "tenant_cache_blocks",
+            "seen_blocks",
+            "session_log_sessions",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"router.{name} must be positive, got {getattr(self, name)}.")

@@ -24,10 +24,14 @@ import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvstore.gateway.misses import CAUSES
+
 __all__ = ["RouterMetrics", "TenantLabels", "OTHER_TENANT"]
 
 OTHER_TENANT = "other"
 _TOKEN_BUCKETS = tuple(float(2**i) for i in range(4, 19))  # 16 … 256K tokens
+MISS_CAUSES = (*CAUSES, "unkeyed")  # and the computed tokens of requests the router could not key
+DIVERGED_PARTS = ("system prompt", "tools", "earlier message", "the last answer", "the template", "prompt")
 _OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
 
@@ -88,11 +92,13 @@ class RouterMetrics:
         )
         for where in ("router", "engine"):
             self.tokenized.labels(where)
+        for phase in ("read", "tokenize", "lookup", "remember", "total"):
+            self.overhead.labels(phase)
         self.prompt_tokens = Histogram(
             "kvstore_router_prompt_tokens", "Prompt tokens per request (engine usage)", ["replica"], buckets=_TOKEN_BUCKETS, registry=r
         )
         self.prefill_tokens = Histogram(
-            "kvstore_router_prefill_tokens",
+            "kvstore_router_prefill_tokens_per_request",
             "Prompt tokens the engine computed per request (prompt minus cached tokens)",
             ["replica"],
             buckets=_TOKEN_BUCKETS,
@@ -104,6 +110,34 @@ class RouterMetrics:
         self.expected_cached_tokens = Counter(
             "kvstore_router_expected_cached_tokens", "Cached tokens the cost model expected when routing", ["replica"], registry=r
         )
+        self.prefill_by_cause = Counter(
+            "kvstore_router_prefill_tokens",
+            "Prompt tokens the engines computed, by why they were not cached (misses.py): new, diverged, evicted, "
+            "elsewhere, not_loaded; unkeyed for requests the router could not key (multimodal inputs)",
+            ["cause", "replica"],
+            registry=r,
+        )
+        self.tenant_prefill_by_cause = Counter(
+            "kvstore_router_tenant_prefill_tokens_by_cause",
+            "Prompt tokens the engines computed per tenant, by why they were not cached (as kvstore_router_prefill_tokens)",
+            ["tenant", "cause"],
+            registry=r,
+        )
+        self.diverged_turns = Counter(
+            "kvstore_router_diverged_turns",
+            "Session turns whose prompt did not extend the previous turn's prompt and answer, by the part that changed: "
+            "system prompt, tools, earlier message, the last answer, the template, prompt (a completion)",
+            ["part"],
+            registry=r,
+        )
+        self.diverged_lost_tokens = Histogram(
+            "kvstore_router_diverged_lost_tokens",
+            "Per diverged turn, the tokens the session had sent from the point of divergence on (cached, and now useless)",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        for part in DIVERGED_PARTS:
+            self.diverged_turns.labels(part)
         self.hit_rate = Gauge("kvstore_router_hit_rate", "Token hit rate per replica: cached over prompt tokens", ["replica"], registry=r)
         self.hit_rate_spread = Gauge(
             "kvstore_router_hit_rate_spread", "Spread of the replicas' hit rates: std (standard deviation) and cv", ["stat"], registry=r
@@ -178,6 +212,8 @@ class RouterMetrics:
 
     def add_replica(self, replica_id: str) -> None:
         """The replica's series exist from when it joins (out of rotation until checked)."""
+        for cause in MISS_CAUSES:
+            self.prefill_by_cause.labels(cause, replica_id)
         self.in_flight.labels(replica_id).set(0)
         self.queued_tokens.labels(replica_id).set(0)
         self.engine_requests.labels(replica_id).set(0)
@@ -214,6 +250,19 @@ class RouterMetrics:
             self._prompt_by_replica[replica_id] += prompt_tokens
             self._cached_by_replica[replica_id] += cached_tokens
             self._spread()
+
+    def misses(self, replica_id: str, tenant: str, causes: dict[str, int]) -> None:
+        """A request's computed tokens by cause (misses.attribute)."""
+        label = self.tenants.label(tenant)
+        for cause, tokens in causes.items():
+            if tokens:
+                self.prefill_by_cause.labels(cause, replica_id).inc(tokens)
+                self.tenant_prefill_by_cause.labels(label, cause).inc(tokens)
+
+    def diverged(self, part: str, lost_tokens: int) -> None:
+        """A session turn that broke its prefix (session_log.Divergence), its part as a bounded label."""
+        self.diverged_turns.labels("earlier message" if part.startswith("message ") else part).inc()
+        self.diverged_lost_tokens.observe(lost_tokens)
 
     def _spread(self) -> None:
         """Each listed replica's hit rate, and their spread."""

@@ -5,7 +5,9 @@ token hit rate, and TTFT p50/p99 (interpolated within the histogram's buckets as
 Prometheus's ``histogram_quantile`` does); for the fleet: the hit rate's spread across
 replicas (std, CV), routing decisions by reason and session moves by reason. Per tenant
 label: prompt, prefill (computed) and cached tokens, and the cache bytes and blocks its
-recent chains hold (kvstore_router_tenant_cache_*, tenant_cache.py).
+recent chains hold (kvstore_router_tenant_cache_*, tenant_cache.py). Per replica and per
+tenant, the prefill tokens by why they were not cached (``causes``: misses.py), and for
+the fleet the session turns that broke their prefix, by the part that changed.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def router_summary(exposition: str) -> dict[str, Any]:
     decisions: dict[str, float] = {}
     moves: dict[str, float] = {}
     tenants: dict[str, dict[str, Any]] = {}
+    diverged: dict[str, float] = {}
 
     def replica(node_id: str) -> dict[str, Any]:
         return replicas.setdefault(node_id, {"requests": 0, "prompt_tokens": 0, "prefill_tokens": 0, "cached_tokens": 0})
@@ -63,7 +66,7 @@ def router_summary(exposition: str) -> dict[str, Any]:
                 replica(labels["replica"])["requests"] += int(value)
             elif sample.name == "kvstore_router_prompt_tokens_sum":
                 replica(labels["replica"])["prompt_tokens"] += int(value)
-            elif sample.name == "kvstore_router_prefill_tokens_sum":
+            elif sample.name == "kvstore_router_prefill_tokens_per_request_sum":
                 replica(labels["replica"])["prefill_tokens"] += int(value)
             elif sample.name == "kvstore_router_cached_tokens_total":
                 replica(labels["replica"])["cached_tokens"] += int(value)
@@ -75,6 +78,14 @@ def router_summary(exposition: str) -> dict[str, Any]:
                 decisions[labels["reason"]] = value
             elif sample.name == "kvstore_router_session_moves_total":
                 moves[labels["reason"]] = value
+            elif sample.name == "kvstore_router_prefill_tokens_total":
+                causes = replica(labels["replica"]).setdefault("causes", {})
+                causes[labels["cause"]] = causes.get(labels["cause"], 0) + int(value)
+            elif sample.name == "kvstore_router_tenant_prefill_tokens_by_cause_total":
+                row = tenants.setdefault(labels["tenant"], dict.fromkeys(_TENANT_FIGURES.values(), 0))
+                row.setdefault("causes", {})[labels["cause"]] = int(value)
+            elif sample.name == "kvstore_router_diverged_turns_total":
+                diverged[labels["part"]] = value
             elif sample.name in _TENANT_FIGURES:
                 row = tenants.setdefault(labels["tenant"], dict.fromkeys(_TENANT_FIGURES.values(), 0))
                 row[_TENANT_FIGURES[sample.name]] = int(value)
@@ -97,6 +108,7 @@ def router_summary(exposition: str) -> dict[str, Any]:
         "decisions": decisions,
         "session_moves": moves,
         "tenants": dict(sorted(tenants.items())),
+        "diverged_turns": diverged,
     }
 
 

@@ -97,6 +97,9 @@ class LocalTokenizer:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+
     def check_due(self) -> bool:
         """Whether the prompt just tokenized here is one of those checked against an engine."""
         self._used += 1

@@ -451,10 +451,21 @@ def test_the_routers_summary_for_stats_fleet():
     metrics.decisions.labels("sticky").inc(3)
     metrics.tenant_cache_bytes.labels("t").set(3 * 1024 + 0.5)
     metrics.tenant_cache_blocks.labels("t").set(4)
+    metrics.misses("r1", "t", {"new": 100, "diverged": 150, "evicted": 0})
+    metrics.diverged("message 3 (assistant)", 150)
     summary = router_summary(generate_latest(metrics.registry).decode())
     assert summary["tenants"] == {
-        "t": {"prompt_tokens": 1000, "prefill_tokens": 250, "cached_tokens": 750, "cache_bytes": 3 * 1024, "cache_blocks": 4}
+        "t": {
+            "prompt_tokens": 1000,
+            "prefill_tokens": 250,
+            "cached_tokens": 750,
+            "cache_bytes": 3 * 1024,
+            "cache_blocks": 4,
+            "causes": {"new": 100, "diverged": 150},
+        }
     }
+    assert {c: n for c, n in summary["replicas"]["r1"]["causes"].items() if n} == {"new": 100, "diverged": 150}
+    assert summary["diverged_turns"]["earlier message"] == 1.0
     r1 = summary["replicas"]["r1"]
     assert (r1["requests"], r1["prompt_tokens"], r1["prefill_tokens"], r1["cached_tokens"], r1["hit_rate"]) == (1, 1000, 250, 750, 0.75)
     assert r1["ttft_p50_s"] == pytest.approx(0.025 + 0.025 * (2 - 1) / 2)  # the 2nd of 4 lies halfway into (0.025, 0.05]

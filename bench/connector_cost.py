@@ -8,8 +8,9 @@ serve` daemon, against two replicas of the same engines without the connector â€
 up side by side, so both settings see the same machine; replica i of either setting
 computes on core i (``VLLM_CPU_OMP_THREADS_BIND``), as bench.fleet's replicas do. The workload is bench.fleet's
 "ample" coding-agent shape: concurrent sessions share a system prompt, each adds its own
-context and grows by a user message and the answer every turn, with think time between
-turns. Session i is sent to replica i mod 2 by the client (no router: the ratios isolate
+context and grows by a user message and the answer every turn; sessions start and pause
+between turns as bench.fleet's do (times drawn exponentially, the same for both settings
+of a run). Session i is sent to replica i mod 2 by the client (no router: the ratios isolate
 the connector), as token ids. Every hit is in vLLM's own cache: the connector can only
 cost here â€” it looks up each prompt's blocks beyond vLLM's hit, and saves every prompt
 block the engine computes.
@@ -49,7 +50,7 @@ import httpx
 
 from bench.proc_cpu import CpuWindow
 from bench.report import Report, parse_args
-from bench.router_fleet import BLOCK, MAX_MODEL_LEN, run_concurrently, start_in_parallel
+from bench.router_fleet import BLOCK, MAX_MODEL_LEN, run_concurrently, session_pauses, session_starts, start_in_parallel
 from bench.vllm_engine import ApiServer, build_model
 from kvstore.spawn import spawn_daemon
 
@@ -65,7 +66,8 @@ class Shape:
     context_tokens: int
     user_tokens: int
     answer_tokens: int
-    think_s: float
+    think_s: float  # the mean of the pauses between an answer and the next turn (exponential)
+    session_gap_s: float = 0.5  # the mean gap between sessions' first turns (exponential)
 
 
 @dataclass
@@ -79,8 +81,11 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(2, 1000) for _ in range(n)]
 
 
-def run_workload(shape: Shape, seed: int, model: str, urls: list[str]) -> tuple[list[Sample], float]:
-    """Every session's turns, session i on ``urls[i % len(urls)]``; the samples and the run's seconds."""
+def run_workload(shape: Shape, seed: int, model: str, urls: list[str], timing_seed: int = 0) -> tuple[list[Sample], float]:
+    """Every session's turns, session i on ``urls[i % len(urls)]``; the samples and the run's
+    seconds. Sessions start and pause as bench.fleet's do (``timing_seed``: the same for
+    both settings of a run)."""
+    start_s = session_starts(timing_seed, shape.sessions, shape.session_gap_s)
     rng = random.Random(seed)
     shared = _tokens(rng, shape.shared_tokens)
     samples: list[Sample] = []
@@ -90,6 +95,8 @@ def run_workload(shape: Shape, seed: int, model: str, urls: list[str]) -> tuple[
         session_rng = random.Random(seed * 1000 + index)
         prompt = shared + _tokens(session_rng, shape.context_tokens + shape.user_tokens)
         url = urls[index % len(urls)]
+        pauses = session_pauses(timing_seed, index, shape.think_s)
+        time.sleep(max(run_started + start_s[index] - time.monotonic(), 0.0))
         with httpx.Client(timeout=600) as client:
             for _ in range(shape.turns):
                 request = {"model": model, "prompt": prompt, "max_tokens": shape.answer_tokens, "temperature": 0.0}
@@ -110,8 +117,9 @@ def run_workload(shape: Shape, seed: int, model: str, urls: list[str]) -> tuple[
                 with lock:
                     samples.append(Sample(first or 0.0, usage.get("prompt_tokens", len(prompt)), cached))
                 prompt = prompt + answer + _tokens(session_rng, shape.user_tokens)
-                time.sleep(shape.think_s)
+                time.sleep(next(pauses))
 
+    run_started = time.monotonic()
     seconds = run_concurrently(session, shape.sessions)
     return samples, seconds
 
@@ -230,7 +238,7 @@ def main() -> None:
                 seed = 1 + run * len(SETTINGS) + SETTINGS.index(setting)
                 hooks_before = read_hook_times(hook_dir)
                 window.start()
-                samples, seconds = run_workload(shape, seed, str(model), [s.url for s in servers[setting]])
+                samples, seconds = run_workload(shape, seed, str(model), [s.url for s in servers[setting]], timing_seed=run + 1)
                 cpu = window.take()
                 time.sleep(1.2)  # the connector rewrites its times once a second
                 summary = summarize(samples, seconds, {"engines": cpu[f"engines_{setting}"], "daemons": cpu["daemons"]})

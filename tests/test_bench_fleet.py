@@ -10,13 +10,13 @@ import pytest
 
 from bench.fleet import PEERS, REGIMES, STACKS, best_peer, settings_of, spread
 from bench.peer_routers import routing_counters
-from bench.router_fleet import KvEvents, engines_config
+from bench.router_fleet import KvEvents, engines_config, session_pauses, session_starts
 
 
 def args(**changes) -> argparse.Namespace:
     defaults = dict(
         quick=False, json=False, regime="binding", rounds=None, engine_blocks=None, sessions=None, turns=None,
-        replicas=2, cache_share=0.0, size="", stacks="", sets="apart",
+        replicas=2, cache_share=0.0, size="", stacks="", sets="apart", think_s=0.2, session_gap_s=0.5,
     )  # fmt: skip
     return argparse.Namespace(**(defaults | changes))
 
@@ -33,6 +33,18 @@ def test_a_regime_sets_the_sessions_turns_and_engine_cache_unless_overridden():
     assert (mine.shape.sessions, mine.shape.turns, mine.engine_blocks, mine.rounds, mine.size) == (3, 2, 300, 5, "tiny")
     assert settings_of(args(regime="binding", engine_blocks=0)).engine_blocks == 0  # the engines' default cache
     assert set(REGIMES) == {"binding", "ample"}
+
+
+def test_sessions_start_apart_and_pause_for_drawn_times_the_same_in_every_stack_of_a_round():
+    starts = session_starts(1, 8, 0.5)
+    assert starts == session_starts(1, 8, 0.5) != session_starts(2, 8, 0.5)
+    assert starts[0] == 0.0 and all(b >= a for a, b in zip(starts, starts[1:])) and starts[-1] > 0
+    assert session_starts(1, 8, 0.0) == [0.0] * 8
+    pauses = [next(p) for p in [session_pauses(1, 3, 0.2)] for _ in range(200)]
+    again = session_pauses(1, 3, 0.2)
+    assert pauses == [next(again) for _ in range(200)]
+    assert len(set(pauses)) == 200 and 0.1 < sum(pauses) / 200 < 0.3  # no two alike: no convoy
+    assert next(session_pauses(1, 3, 0.0)) == 0.0
 
 
 def test_stacks_run_in_the_documented_order_whatever_order_they_are_named_in():
@@ -54,6 +66,8 @@ def test_stacks_run_in_the_documented_order_whatever_order_they_are_named_in():
         dict(stacks="kvstore_full,lmcache"),
         dict(stacks=","),
         dict(sets="sometimes"),
+        dict(think_s=-1.0),
+        dict(session_gap_s=float("nan")),
     ],
 )
 def test_bad_settings_are_refused_with_a_message(bad):

@@ -1,21 +1,33 @@
 """bench.fleet's simulator prediction: how a measured run becomes the simulator's input and
-its predicted hit rate, TTFT and requests/s, checked by hand without vLLM."""
+its predicted hit rate, TTFT and requests/s, how calibration measurements become the
+model's speeds, and the runs file that --predict-from reads — checked by hand without vLLM."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import math
 
 import pytest
 
+from bench.fleet import predict_from, settings_of
 from bench.fleet_sim import (
     SentRequest,
+    admission_cost,
+    decode_costs,
     fleet_model,
     fleet_setup,
+    floating_cpu,
     llama_layer_params,
+    load_costs,
+    load_runs,
     predict,
     replica_parallelism,
+    request_cpu,
+    router_cost,
     routing_of,
+    save_runs,
     sim_config,
     sim_requests,
 )
@@ -201,3 +213,156 @@ def test_replica_parallelism_from_two_prefill_rates():
     assert replica_parallelism(1000.0, 500.0, 2) == 1.0
     assert replica_parallelism(1000.0, 1000.0, 2) == 2.0  # each its own hardware
     assert replica_parallelism(1000.0, 200.0, 2) == 1.0  # never below one
+
+
+def test_a_decode_steps_parts_from_steps_of_one_and_of_a_batch():
+    # made by the model: a step of 0.013 s, 0.0005 s per request and 1 µs per distinct token of context;
+    # the batch of four at the long context shares its first 1,536 tokens
+    def step(k: int, distinct: int) -> float:
+        return 0.013 + k * 0.0005 + distinct * 1e-6
+
+    one = (step(1, 32), step(1, 2560))
+    many = (step(4, 4 * 32), step(4, 1536 + 4 * 1024))
+    fitted = decode_costs((32, 2560), 4, one, many, shared=1536)
+    assert fitted == {
+        "decode_step_s": pytest.approx(0.013),
+        "decode_seq_s": pytest.approx(0.0005),
+        "decode_context_s_per_token": pytest.approx(1e-6),
+    }
+    with pytest.raises(InvalidArgument):
+        decode_costs((2560, 32), 4, (0.01, 0.01), (0.02, 0.02))
+
+
+def test_the_cpu_beside_the_steps_from_their_slowdown_when_every_engine_steps_at_once():
+    # two engines on two cores; a step of one request takes 0.02 s alone, of four 0.03 s; beside them
+    # 0.004 s and 0.0005 s per sampling request: together 0.02 × (1 + 0.0045/0.02), 0.03 × (1 + 0.006/0.03)
+    together = (0.02 + 0.0045, 0.03 + 0.006)
+    fitted = floating_cpu(4, (0.02, 0.03), together, 2, 2.0)
+    assert fitted == {"floating_step_s": pytest.approx(0.004), "floating_token_s": pytest.approx(0.0005)}
+    # no slowdown: nothing beside the steps that took from them
+    assert floating_cpu(4, (0.02, 0.03), (0.02, 0.03), 2, 2.0) == {"floating_step_s": 0.0, "floating_token_s": 0.0}
+
+
+def test_a_requests_cpu_from_two_prompt_lengths():
+    fitted = request_cpu((32, 2560), (0.01 + 32 * 2e-6, 0.01 + 2560 * 2e-6))
+    assert fitted == {"request_cpu_s": pytest.approx(0.01), "request_cpu_s_per_token": pytest.approx(2e-6)}
+    with pytest.raises(InvalidArgument):
+        request_cpu((64, 64), (0.01, 0.01))
+
+
+def test_a_routers_cost_and_a_connectors_load_from_what_calibration_measured():
+    # 12 ms of the router's CPU per request, which added 30 ms to the requests through it: 18 ms waiting
+    assert router_cost(0.012, 0.030) == {"cpu_s": 0.012, "overhead_s": pytest.approx(0.018)}
+    assert router_cost(0.012, 0.005) == {"cpu_s": 0.012, "overhead_s": 0.0}  # its CPU ran beside the answer
+    # loads of 40 and 80 blocks (the last partial) that took 0.05 s and 0.09 s beyond prompts the engine held:
+    # 0.01 s a request and 1 ms a block
+    assert load_costs([(1279, 0.05), (2559, 0.09), (2559, 0.09)], 32) == {
+        "load_request_s": pytest.approx(0.01),
+        "load_block_s": pytest.approx(0.001),
+    }
+    assert load_costs([(2559, 0.16)], 32) == {"load_request_s": 0.0, "load_block_s": pytest.approx(0.002)}  # one size
+    with pytest.raises(InvalidArgument):
+        load_costs([], 32)
+
+
+def test_a_requests_admission_from_what_it_added_to_a_busy_engines_steps():
+    # requests sent into a batch's decode steps added 20, 22 and 30 ms to them; their own token costs 3 ms
+    assert admission_cost([0.020, 0.022, 0.030], 0.003) == {"admission_s": pytest.approx(0.019)}
+    assert admission_cost([0.001], 0.003) == {"admission_s": 0.0}
+    with pytest.raises(InvalidArgument):
+        admission_cost([], 0.003)
+
+
+CALIBRATED = MEASURED | {
+    "decode_step_s": 0.013,
+    "decode_seq_s": 0.0005,
+    "decode_context_s_per_token": 1e-6,
+    "floating_step_s": 0.004,
+    "floating_token_s": 0.0005,
+    "host_cores": 2.0,
+    "request_cpu_s": 0.01,
+    "request_cpu_s_per_token": 2e-6,
+    "request_overhead_s": 0.003,
+    "admission_s": 0.015,
+}
+
+
+ROUTER = {"cpu_s": 0.012, "overhead_s": 0.018}
+
+
+def test_the_calibrated_terms_reach_the_fleet_model():
+    made = fleet_setup(MID, "mid", ["a", "b"], 32, 0, 4096, True, 1 * GiB, CALIBRATED)
+    model = fleet_model(made)
+    # the step's own part is the measured one, not the whole one-request decode step
+    assert model.speeds.step_overhead_s == 0.013 and made.step_overhead_s == 0.013
+    assert model.speeds.decodes_s(2, 1000) == pytest.approx(2 * 0.0005 + 0.001)  # two decodes reading 1,000 tokens
+    assert model.speeds.floating_s(3) == pytest.approx(0.004 + 3 * 0.0005)
+    assert (model.host_cores, model.request_overhead_s) == (2.0, 0.003)
+    assert model.request_cpu(1000) == pytest.approx(0.01 + 0.002)
+    assert model.speeds.load_block_s == 0.0  # no load measured: a copy at the host's rate
+    assert model.speeds.admission_s == 0.015
+    # behind a measured router: its CPU joins the request's, the latency it adds beyond that the overhead
+    routed = fleet_setup(MID, "mid", ["a", "b"], 32, 0, 4096, True, 1 * GiB, CALIBRATED | {"routers": {"kvstore": ROUTER}})
+    assert fleet_model(routed, "kvstore").request_cpu(1000) == pytest.approx(0.01 + 0.002 + 0.012)
+    assert fleet_model(routed, "kvstore").request_overhead_s == pytest.approx(0.003 + 0.018)
+    assert fleet_model(routed, "round_robin").request_cpu(1000) == pytest.approx(0.012)  # the client routes
+    # without them: a step costs the one-request decode step, a decode token a prompt token
+    plain = fleet_model(fleet_setup(MID, "mid", ["a", "b"], 32, 0, 4096, True, 1 * GiB, MEASURED))
+    assert plain.speeds.step_overhead_s == 0.05 and plain.speeds.decode_seq_s is None and plain.host_cores == 0.0
+
+
+def test_the_calibrated_terms_slow_the_predicted_run():
+    calibrated = fleet_setup(MID, "mid", ["replica-0", "replica-1"], 32, 256 * MiB, 4096, False, 1 * GiB, CALIBRATED)
+    slow, _ = predict("round_robin", calibrated, SENT, replay=True, measured_seconds=4.0)
+    fast, _ = predict("round_robin", setup(decode_s_per_token=0.013), SENT, replay=True, measured_seconds=4.0)
+    assert slow.predicted_requests_per_s < fast.predicted_requests_per_s
+    assert slow.predicted_hit_rate == fast.predicted_hit_rate  # what is cached does not depend on the speeds
+
+
+def test_saved_runs_predict_as_the_runs_themselves(tmp_path):
+    inputs = dict(
+        model_config=MID, model_id="mid", replica_ids=["replica-0", "replica-1"], block_size=32, host_capacity_bytes=256 * MiB,
+        max_model_len=4096, prefix_caching=False, engine_kv_cache_bytes=1 * GiB, measured=CALIBRATED,
+    )  # fmt: skip
+    stacks = {
+        "plain_round_robin": {"engines": "plain", "sim_policy": "round_robin", "replay": True},
+        "kvstore_routing_only": {"engines": "plain", "sim_policy": "kvstore", "replay": False},
+    }
+    behind = [dataclasses.replace(r, replica="") for r in SENT]
+    runs = {"plain_round_robin": [(SENT, 4.0), (SENT, 5.0)], "kvstore_routing_only": [(behind, 3.0)]}
+    path = tmp_path / "runs.json"
+    save_runs(path, {"regime": "ample", "rounds": 2}, {"plain": inputs}, stacks, runs, {"plain_round_robin": [{"seconds": 4.0}]})
+    saved = load_runs(path)
+    assert saved.settings == {"regime": "ample", "rounds": 2} and saved.stacks == stacks
+    assert saved.runs == runs and saved.summaries == {"plain_round_robin": [{"seconds": 4.0}]}
+    setup_of = fleet_setup(**inputs)
+    assert saved.setups() == {"plain": setup_of}
+    predicted = saved.predictions()
+    assert [p.measured_requests_per_s for p in predicted["plain_round_robin"]] == [0.5, 0.4]
+    assert predicted["plain_round_robin"][0] == predict("round_robin", setup_of, SENT, True, 4.0)[0]
+    assert predicted["kvstore_routing_only"][0] == predict("kvstore", setup_of, behind, False, 3.0)[0]
+    path.write_text('{"format": "something else"}')
+    with pytest.raises(InvalidArgument):
+        load_runs(path)
+
+
+def test_bench_fleet_predicts_again_from_a_saved_file(tmp_path, capsys):
+    settings = settings_of(
+        argparse.Namespace(
+            quick=False, json=False, regime="binding", rounds=1, engine_blocks=None, sessions=None, turns=None, replicas=2,
+            cache_share=0.0, size="", stacks="kvstore_full", sets="apart", think_s=0.2, session_gap_s=0.5,
+        )
+    )  # fmt: skip
+    inputs = dict(
+        model_config=MID, model_id="mid", replica_ids=["replica-0", "replica-1"], block_size=32, host_capacity_bytes=256 * MiB,
+        max_model_len=4096, prefix_caching=True, engine_kv_cache_bytes=1 * GiB, measured=CALIBRATED,
+    )  # fmt: skip
+    behind = [dataclasses.replace(r, replica="") for r in SENT]
+    path = tmp_path / "runs.json"
+    stacks = {"kvstore_full": {"engines": "connector", "sim_policy": "kvstore", "replay": False}}
+    save_runs(path, dataclasses.asdict(settings), {"connector": inputs}, stacks, {"kvstore_full": [(behind, 3.0)]})
+    predict_from(str(path), as_json=True)
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    expected = predict("kvstore", fleet_setup(**inputs), behind, False, 3.0)[0]
+    assert report["ratios"]["sim_throughput_error"] == round(expected.throughput_error, 4)
+    assert report["ratios"]["sim_hit_rate_error"] == round(expected.hit_rate_error, 4)

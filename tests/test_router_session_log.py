@@ -21,7 +21,10 @@ def chat(*messages, tools=None) -> dict:
     return payload
 
 
-def turn(log, session, tokens, payload, answer=Answer(8), replica="a"):
+EIGHT_TOKENS = Answer(8)
+
+
+def turn(log, session, tokens, payload, answer=EIGHT_TOKENS, replica="a"):
     record, kept, sent = log.begin(session, "t", replica, tokens, payload)
     log.finish(session, record, tokens, payload, answer)
     return record, kept, sent
@@ -64,7 +67,9 @@ def test_tools_an_earlier_message_and_the_template_are_told_apart():
     record, _, _ = turn(log, "s", [1] + list(range(1, 60)), chat(user, tools=[{"type": "function", "function": {"name": "write"}}]))
     assert record.divergence.part == "tools"
     turn(log, "e", list(range(50)), chat(user, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}))
-    record, _, _ = turn(log, "e", list(range(30)) + [7] * 30, chat(user, {"role": "assistant", "content": "k"}, {"role": "user", "content": "go"}))
+    record, _, _ = turn(
+        log, "e", list(range(30)) + [7] * 30, chat(user, {"role": "assistant", "content": "k"}, {"role": "user", "content": "go"})
+    )
     assert record.divergence.part == "message 2 (assistant)"
     turn(log, "d", list(range(50)), chat(user))
     record, _, _ = turn(log, "d", [3] + list(range(1, 60)), chat(user))  # same messages, other tokens

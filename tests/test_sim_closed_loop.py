@@ -1,7 +1,8 @@
 """The closed-loop fleet simulator: an engine's own prefix cache (vLLM's block pool), its
 scheduler's admission and preemption, sessions that wait for their answers, compute
-shared between replicas, and vllm-router's policies — each checked on a case worked out
-by hand.
+shared between replicas, vllm-router's policies, and the measured costs beyond a step's
+tokens (batched decodes, admissions, loads, the CPU beside the steps and each request's)
+— each checked on a case worked out by hand.
 
 The model throughout (TINY): 4-token blocks of 4,096 bytes; a step costs 0.01 s plus its
 tokens at 1,000/s (attention is made negligible: its doubling context is 10^9 tokens);
@@ -257,3 +258,102 @@ def test_turn_keys_cover_the_blocks_the_engine_fills():
     assert turn_hashes(turn, BLOCK, "x") == chain_hashes(list(tokens(0, 10) + tokens(50, 4)), BLOCK)[:3]
     unknown = turn_hashes(Turn(0, tokens(0, 10), 8), BLOCK, "x")  # the run does not show this answer
     assert unknown[:2] == chain_hashes(list(tokens(0, 10)), BLOCK) and len(unknown) == 4
+
+
+# -- batched decodes, CPU beside the steps, a request's CPU ------------------------------------------
+
+
+BATCHED = StepSpeeds(
+    prefill_tokens_per_s=1000.0,
+    attention_context_tokens=1e9,
+    step_overhead_s=0.01,
+    host_bytes_per_s=1e9,
+    block_bytes=4096,
+    decode_seq_s=0.002,
+    decode_context_s_per_token=0.0001,
+)
+
+
+def test_a_steps_decodes_are_priced_per_request_and_per_distinct_token_of_context():
+    # two decodes reading 50 distinct tokens between them: 2 × 0.002 + 50 × 0.0001
+    assert BATCHED.decodes_s(2, 50) == pytest.approx(0.009)
+    assert BATCHED.tokens_s(8, 20) == pytest.approx(0.008)  # a prompt's chunk: at the prefill rate
+    engine = EngineSpec(400, BLOCK, True)
+
+    def done(prompts):
+        sessions = [Session(f"s{k}", 0.0, (Turn(k, prompt, 3, replica=0),)) for k, prompt in enumerate(prompts)]
+        return [o.done_s for o in simulate_sessions(sessions, None, FleetModel(1, engine, BATCHED, NAMESPACE)).outcomes]
+
+    # prompts of 20 and 30 tokens of their own, prefilled in one step (50 tokens at 1,000/s); then two decode
+    # steps of both: contexts 20 + 30 (every block its own), then 21 + 31
+    prefill_s = 0.01 + 0.050
+    steps = (0.01 + 0.004 + 50 * 0.0001) + (0.01 + 0.004 + 52 * 0.0001)
+    assert done([tokens(0, 20), tokens(1000, 30)]) == [pytest.approx(prefill_s + steps)] * 2
+    # the same lengths sharing their first 16 tokens (4 blocks): the second finds them cached as the first
+    # is scheduled (34 tokens computed), and the decode steps read them once: 16 + 4 + 14, then 16 + 5 + 15
+    shared = tokens(0, 16)
+    steps = (0.01 + 0.004 + 34 * 0.0001) + (0.01 + 0.004 + 36 * 0.0001)
+    assert done([shared + tokens(100, 4), shared + tokens(1000, 14)]) == [pytest.approx(0.01 + 0.034 + steps)] * 2
+    # without a decode price a decode is a prompt token: 1,000/s
+    assert SPEEDS.tokens_s(1, 20) == pytest.approx(0.001)
+    with pytest.raises(InvalidArgument):
+        StepSpeeds(1000.0, 1e9, 0.01, 1e9, 4096, decode_seq_s=-0.001)
+
+
+def test_cpu_beside_the_steps_slows_them_only_when_the_cores_are_short():
+    floating = StepSpeeds(1000.0, 1e9, 0.01, 1e9, 4096, floating_step_s=0.005, floating_token_s=0.0)
+    engine = EngineSpec(400, BLOCK, True)
+
+    def ends(replicas: int, cores: float) -> list[float]:
+        sessions = [Session(name, 0.0, (Turn(k, tokens(1000 * k, 40), 1, replica=k),)) for k, name in enumerate("ab"[:replicas])]
+        fleet = FleetModel(2, engine, floating, NAMESPACE, host_cores=cores)
+        return [o.first_token_s for o in simulate_sessions(sessions, None, fleet).outcomes]
+
+    # one step of 0.05 s (0.01 + 40 tokens) with 0.005 s beside it: 1.1 cores' worth
+    assert ends(1, 2.0) == [pytest.approx(0.05)]  # one engine: its floating CPU takes the other core
+    assert ends(2, 0.0) == [pytest.approx(0.05)] * 2  # no limit on the cores
+    assert ends(2, 4.0) == [pytest.approx(0.05)] * 2  # room for both
+    assert ends(2, 2.0) == [pytest.approx(0.05 * 2.2 / 2)] * 2  # two engines on two cores: 2.2 cores' worth
+    assert FleetModel(2, engine, floating, NAMESPACE, host_cores=2.0).rates([(0.05, 0.005)], 2) == (pytest.approx(2 / 3.1),) * 2
+
+
+def test_a_requests_cpu_delays_it_and_shares_the_cores():
+    first = tokens(0, 20)
+    one = [Session("s", 1.0, (Turn(0, first, 1, replica=0),))]
+    # 0.02 s + 0.001 s per prompt token: 0.04 s of CPU, then 0.1 s to the engine, then its step (0.01 + 0.02)
+    fleet = model(request_cpu_s=0.02, request_cpu_s_per_token=0.001, request_overhead_s=0.1)
+    (outcome,) = simulate_sessions(one, None, fleet).outcomes
+    assert outcome.arrival_s == 1.0 and outcome.start_s == pytest.approx(1.14)
+    assert outcome.first_token_s == pytest.approx(1.14 + 0.03)
+    # two requests' CPU at once on one core: each at half speed
+    two = [Session(name, 0.0, (Turn(k, tokens(1000 * k, 20), 1, replica=0),)) for k, name in enumerate("ab")]
+    shared = simulate_sessions(two, None, model(request_cpu_s=0.02, request_cpu_s_per_token=0.001, host_cores=1.0)).outcomes
+    assert [o.start_s for o in shared] == [pytest.approx(0.08)] * 2
+    with pytest.raises(InvalidArgument):
+        model(request_cpu_s=-1.0)
+
+
+def test_a_measured_load_prices_each_block_the_connector_loads():
+    # turn 2 finds turn 1's prompt (5 blocks) in the daemon only (prefix caching off): it loads them
+    first = tokens(0, 20)
+    turns = (Turn(0, first, 1, replica=0), Turn(1, first + tokens(100, 8), 1, replica=0))
+    loading = StepSpeeds(1000.0, 1e9, 0.01, 1e9, 4096, load_request_s=0.003, load_block_s=0.002)
+    engine = EngineSpec(400, BLOCK, False, host_blocks=100)
+
+    def second_ttft(speeds: StepSpeeds) -> float:
+        outcome = simulate_sessions([Session("s", 0.0, turns)], None, FleetModel(1, engine, speeds, NAMESPACE)).outcomes[1]
+        assert outcome.hit_blocks == (0, 5, 0, 0)
+        return outcome.ttft_s
+
+    # a load of 5 blocks: 3 ms and 2 ms a block, instead of 4,096 bytes at 1 GB/s a block
+    assert second_ttft(loading) - second_ttft(SPEEDS) == pytest.approx(0.003 + 5 * 0.002 - 5 * 4096 / 1e9)
+
+
+def test_each_request_a_step_admits_costs_it_its_admission():
+    admitting = StepSpeeds(1000.0, 1e9, 0.01, 1e9, 4096, admission_s=0.005)
+    engine = EngineSpec(400, BLOCK, True)
+    sessions = [Session(name, 0.0, (Turn(k, tokens(1000 * k, 20), 2, replica=0),)) for k, name in enumerate("ab")]
+    one, two = simulate_sessions(sessions, None, FleetModel(1, engine, admitting, NAMESPACE)).outcomes
+    # both admitted in one step: 0.01 + 2 × 0.005 + 40 tokens; the decode step after admits none
+    assert one.first_token_s == two.first_token_s == pytest.approx(0.01 + 0.010 + 0.040)
+    assert one.done_s == pytest.approx(0.06 + 0.01 + 0.002)

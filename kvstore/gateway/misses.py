@@ -18,7 +18,9 @@ from what it knew when it routed the request (`RouteView`):
   context; and the prompt's last partial block, which no cache keeps.
 
 Each token has exactly one cause, checked in that order, so the causes add up to the
-prompt tokens less the cached ones: the engine's own count of what it computed. A
+prompt tokens less the cached ones: the engine's own count of what it computed. (The
+router counts a request it could not key — multimodal inputs — as ``unkeyed``, and does
+not attribute prefill/decode disaggregated requests.) A
 block's cause is decided by prefix lengths alone — the chain's keys are chained, so a
 replica holding block k of it holds the whole prefix up to k (index/base.NodeMatch).
 

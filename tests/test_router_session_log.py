@@ -26,7 +26,7 @@ EIGHT_TOKENS = Answer(8)
 
 def turn(log, session, tokens, payload, answer=EIGHT_TOKENS, replica="a"):
     record, kept, sent = log.begin(session, "t", replica, tokens, payload)
-    log.finish(session, record, tokens, payload, answer)
+    log.finish(session, record, tokens, answer)
     return record, kept, sent
 
 

@@ -132,7 +132,6 @@ class _Accounting:
     tenant: str
     hashes: list
     token_ids: list[int]
-    payload: dict[str, Any]
     session_id: str = ""
     turn: Turn | None = None
     answer: _AnswerText | None = None  # a session's chat answer, read as it streams
@@ -403,7 +402,9 @@ class Gateway:
         finally:
             await routed.upstream.aclose()
             self._finish(routed)
-        self._observe(routed, tenant, stream=False, usage=_usage_of(content), answer=_answer_of(content))
+        in_session = routed.accounting is not None and routed.accounting.turn is not None  # its answer is the session's
+        usage, answer = _usage_and_answer(content, in_session)
+        self._observe(routed, tenant, stream=False, usage=usage, answer=answer)
         if 400 <= routed.upstream.status_code < 500:
             return engine_error(routed.upstream.status_code, content, kind, payload, info)
         return Response(content, routed.upstream.status_code, info, media_type=routed.upstream.headers.get("content-type"))
@@ -731,7 +732,7 @@ class Gateway:
         chosen, elsewhere = routed.held
         view = RouteView(len(hashes), chosen, elsewhere, self.seen.prefix(hashes), kept, sent)
         answer = _AnswerText() if session_id and kind == "chat" and stream else None
-        return _Accounting(view, tenant, hashes, token_ids, payload, session_id, turn, answer)
+        return _Accounting(view, tenant, hashes, token_ids, session_id, turn, answer)
 
     def _attribute(self, routed: _Routed, tenant: str, prompt: int, cached: int, completion: Any, answer: int | None) -> None:
         """A request's computed tokens by cause (misses.py), counted; its chain is the
@@ -749,7 +750,7 @@ class Gateway:
         if turn is not None:
             turn.prompt_tokens, turn.cached_tokens, turn.causes = prompt, cached, causes
             done = Answer(completion if isinstance(completion, int) else 0, answer)
-            self.session_log.finish(accounting.session_id, turn, accounting.token_ids, accounting.payload, done)
+            self.session_log.finish(accounting.session_id, turn, accounting.token_ids, done)
 
     def _tenant(self, request: Request) -> str | None:
         """The request's tenant. With API keys, the one its key names — a tenant header is
@@ -814,21 +815,28 @@ def _reason_kind(reason: str) -> str:
     return "best_cost"
 
 
-def _answer_of(content: bytes) -> int | None:
-    """The digest of a chat answer's message (session_log.answer_digest); None for any other answer."""
+def _usage_and_answer(content: bytes, with_answer: bool) -> tuple[dict | None, int | None]:
+    """An answer's usage and, ``with_answer``, the digest of its chat message
+    (session_log.answer_digest; None for any other answer), from one parse of its body."""
     try:
-        message = json.loads(content)["choices"][0]["message"]
-    except (ValueError, KeyError, IndexError, TypeError):
-        return None
-    return answer_digest(message.get("content"), message.get("tool_calls")) if isinstance(message, dict) else None
+        document = json.loads(content)
+    except ValueError:
+        return None, None
+    if not isinstance(document, dict):
+        return None, None
+    usage = document.get("usage")
+    usage = usage if isinstance(usage, dict) else None
+    if not with_answer:
+        return usage, None
+    try:
+        message = document["choices"][0]["message"]
+    except (KeyError, IndexError, TypeError):
+        return usage, None
+    return usage, answer_digest(message.get("content"), message.get("tool_calls")) if isinstance(message, dict) else None
 
 
 def _usage_of(content: bytes) -> dict | None:
-    try:
-        usage = json.loads(content).get("usage")
-    except (ValueError, AttributeError):
-        return None
-    return usage if isinstance(usage, dict) else None
+    return _usage_and_answer(content, with_answer=False)[0]
 
 
 def _stream_usage(tail: bytes) -> dict | None:

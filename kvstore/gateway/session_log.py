@@ -36,7 +36,7 @@ import collections
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import xxhash
@@ -69,9 +69,15 @@ class Turn:
     causes: dict[str, int] = field(default_factory=dict)  # computed tokens by cause (misses.py)
     divergence: Divergence | None = None  # None: it extends the previous turn (or is the first)
     done: bool = False  # its answer's usage has been seen
+    # its messages' and tools' digests, which the next turn compares with (not shown)
+    messages: tuple[int, ...] | None = field(default=None, repr=False)
+    tools: int | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
+        shown["causes"] = dict(self.causes)
+        shown["divergence"] = None if self.divergence is None else asdict(self.divergence)
+        return shown
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,14 +172,14 @@ class SessionLog:
         self._sessions.move_to_end(session_id)
         session.seen_s = time.time()
         session.routed += 1
-        turn = Turn(session.routed, session.seen_s, replica, len(token_ids))
+        tokens = array.array("I", token_ids)
+        messages, tools = message_digests(payload.get("messages")), _tools_digest(payload)
+        turn = Turn(session.routed, session.seen_s, replica, len(token_ids), messages=messages, tools=tools)
         session.turns.append(turn)
         if not session.tokens:
             return turn, 0, 0
-        tokens = array.array("I", token_ids)
         previous = session.tokens
         kept = first_difference(previous, tokens)
-        messages, tools = message_digests(payload.get("messages")), _tools_digest(payload)
         answer = session.answer
         sent = len(previous)
         if kept < len(previous):
@@ -185,9 +191,9 @@ class SessionLog:
             turn.divergence = self._divergence(len(previous), answer.completion_tokens, "the last answer", previous, tokens)
         return turn, kept, sent
 
-    def finish(self, session_id: str, turn: Turn, token_ids: Sequence[int], payload: Mapping[str, Any], answer: Answer) -> None:
+    def finish(self, session_id: str, turn: Turn, token_ids: Sequence[int], answer: Answer) -> None:
         """The turn's answer is in: its usage recorded in ``turn``, and its prompt the one the
-        session's next turn is compared with."""
+        session's next turn is compared with (its digests as `begin` took them)."""
         turn.done = True
         session = self._sessions.get(session_id)
         if session is None or turn.number < session.finished:
@@ -195,8 +201,8 @@ class SessionLog:
         session.finished = turn.number
         self._tokens -= len(session.tokens)
         session.tokens = array.array("I", token_ids)
+        session.messages, session.tools = turn.messages, turn.tools
         self._tokens += len(session.tokens)
-        session.messages, session.tools = message_digests(payload.get("messages")), _tools_digest(payload)
         session.answer = answer
         while self._tokens > self.max_tokens and self._sessions:
             oldest = next(iter(self._sessions))

@@ -22,11 +22,13 @@ the decode instance's daemon, and the decode instance loads it asynchronously wh
 same request arrives there marked ``do_remote_prefill`` with the ``kvstore_transfer_id``
 that ``request_finished`` returned on the prefill instance.
 
-On a GPU engine a step's saves are committed after the step (``defer_saves``, the
-default there; ``vllm_saves``): a request that finishes with a save still in flight keeps
-its blocks until every rank reports it in ``finished_sending``. On a CPU engine the copies
-are done when the step ends, so each step commits its own saves (a commit thread would
-only take a core from the engine's OpenMP team); ``defer_saves: true`` defers them there too.
+A step's saves end after the step (``defer_saves``, the default; ``vllm_saves``): a
+request that finishes with a save still in flight keeps its blocks until every rank
+reports it in ``finished_sending``. On a GPU engine the copies run on a stream beside the
+step and a commit thread commits them; on a CPU engine the next step copies them out on
+the engine's thread before it computes, and commits without waiting for the answer (a
+commit thread would only take a core from the engine's OpenMP team), so a prompt's first
+token never waits for its saves. ``defer_saves: false`` makes each step wait for its own.
 
 The scheduler half (``vllm_scheduler``) decides what each step loads, saves and hands
 off; the worker half (``vllm_worker``) moves the bytes; ``vllm_compat`` holds everything
@@ -54,7 +56,6 @@ from kvstore.connectors.vllm_compat import (
     check_supported,
     connector_logger,
     engine_geometry,
-    kv_cache_on_cpu,
 )
 from kvstore.connectors.vllm_meta import ConnectorSettings, KVStoreConnectorMetadata
 from kvstore.connectors.vllm_scheduler import SchedulerSide
@@ -86,7 +87,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         check_supported(vllm_config, kv_cache_config)
         settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         if settings.defer_saves is None:  # both halves resolve it alike, from the same configuration
-            settings = dataclasses.replace(settings, defer_saves=not kv_cache_on_cpu(vllm_config))
+            settings = dataclasses.replace(settings, defer_saves=True)
         self._settings = settings
         geometry = engine_geometry(vllm_config, settings.model_id or None)
         self._scheduler: SchedulerSide | None = None

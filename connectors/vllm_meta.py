@@ -75,10 +75,9 @@ class ConnectorSettings:
     # blocks are kept until they are (vLLM's delayed free); False: each step waits for its
     # saves, so the blocks are in the store when its output is — for a caller that sends
     # the next request the moment the first one's output arrives and must find it stored.
-    # None (the default): True where the engine's KV cache is on a GPU, whose copies run on
-    # a stream the step need not wait for; False on a CPU engine, whose copies are done
-    # when the step ends, so deferring would only move the commit onto a thread that takes
-    # a core from the engine's OpenMP team (KVStoreConnector resolves it)
+    # None (the default) is True: on a GPU the copies run on a stream the step need not wait
+    # for; on a CPU the next step copies them out before it computes, so a step's tokens
+    # (a prompt's first) never wait for its saves (KVStoreConnector resolves it)
     defer_saves: bool | None = None
     # a KVCacheLayout name to ask vLLM for (get_required_kvcache_layout), e.g. "BLHNC":
     # block-outermost, every layer of a block in one run, as kvstore stores a block; ""
@@ -124,8 +123,7 @@ class ConnectorSettings:
                 raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be a string.")
         if not isinstance(extra.get("defer_saves", True), bool) and extra.get("defer_saves") is not None:
             raise InvalidArgument(
-                f"kv_connector_extra_config['defer_saves'] must be true, false or null (GPU engines defer, CPU engines do not), "
-                f"got {extra['defer_saves']!r}."
+                f"kv_connector_extra_config['defer_saves'] must be true, false or null (null: true), got {extra['defer_saves']!r}."
             )
         layout = extra.get("kv_cache_layout", "")
         if layout != "" and layout not in KV_CACHE_LAYOUTS:

@@ -33,6 +33,10 @@ __all__ = ["DeferredSaves"]
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, as vllm_compat.connector_logger; no vLLM import here
 
 
+# reserves a step's slots and copies into them: the copies, and the commit to run after them
+CopyOut = Callable[[], tuple[list[CopyJob], Callable[[], None] | None]]
+
+
 @dataclass(frozen=True, slots=True)
 class _StepSaves:
     copies: tuple[CopyJob, ...]  # the step's layer copies into the slab
@@ -50,6 +54,7 @@ class DeferredSaves:
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-commit")
         self._steps: dict[str, list[_StepSaves]] = {}  # request -> its steps whose saves are not over (or not reported)
         self._delayed: set[str] = set()  # finished requests vLLM keeps the blocks of until they are reported
+        self._later: list[tuple[CopyOut, Future]] = []  # steps whose copies wait for the next step (run_later)
 
     def submit(self, req_ids: Iterable[str], copies: list[CopyJob], commit: Callable[[], None] | None) -> None:
         """One step's saves, of the requests ``req_ids``: ``commit`` runs on the commit
@@ -61,8 +66,38 @@ class DeferredSaves:
         for req_id in dict.fromkeys(req_ids):
             self._steps.setdefault(req_id, []).append(step)
 
+    def submit_later(self, req_ids: Iterable[str], copy_out: CopyOut) -> None:
+        """One step's saves whose copies wait for the start of the next step (``run_later``,
+        on the worker thread): on a CPU cache every copy runs on the engine's thread, and
+        run after the step they no longer delay the tokens it produced — a prompt's first
+        token above all. ``copy_out`` reserves the slots and copies, and returns the copies
+        and the commit that runs after them on the commit thread (None: it has committed)."""
+        done: Future = Future()
+        self._later.append((copy_out, done))
+        step = _StepSaves((), done)
+        for req_id in dict.fromkeys(req_ids):
+            self._steps.setdefault(req_id, []).append(step)
+
+    def run_later(self) -> None:
+        """Copy out the saves of the steps before this one (their requests still own their
+        blocks: running, or kept by vLLM until ``finished_sending``); their commits go to
+        the commit thread."""
+        later, self._later = self._later, []
+        for copy_out, done in later:
+            try:
+                copies, commit = copy_out()
+            except Exception:  # logged, never raised into vLLM: the step's saves are lost, its requests finish
+                logger.exception("kvstore: copying a step's saves out of the engine's blocks failed")
+                done.set_result(None)
+                continue
+            if commit is None:  # committed already: the blocks are not read any more
+                done.set_result(None)
+            else:
+                self._committer.submit(_after_then, copies, commit, done)
+
     def flush_copies(self) -> None:
         """Return once no copy reads an engine block any more (their commits may still run)."""
+        self.run_later()
         wait_all([copy for steps in self._steps.values() for step in steps for copy in step.copies])
 
     def settled(self) -> dict[str, int]:
@@ -89,11 +124,23 @@ class DeferredSaves:
 
     def wait(self) -> None:
         """Return once every save queued so far has ended."""
+        self.run_later()
         wait_futures([step.commit for steps in self._steps.values() for step in steps])
 
     def close(self) -> None:
-        """Run the commits still queued, then stop the commit thread."""
+        """Run the commits still queued, then stop the commit thread. Copies not run yet
+        are dropped: they reserved nothing."""
+        later, self._later = self._later, []
+        for _, done in later:
+            done.set_result(None)
         self._committer.shutdown(wait=True)
+
+
+def _after_then(copies: list[CopyJob], commit: Callable[[], None], done: Future) -> None:
+    try:
+        _after(copies, commit)
+    finally:
+        done.set_result(None)
 
 
 def _after(copies: list[CopyJob], commit: Callable[[], None]) -> None:

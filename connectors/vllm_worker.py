@@ -17,6 +17,12 @@ trusted (below) and, with ``defer_saves`` (the default), leaves the rest to the 
 thread (``vllm_saves``): it waits for the layer copies and commits, while the engine goes
 on with its next step; a finished request's blocks stay with vLLM until its saves are
 over (``finished_sending``). Without ``defer_saves``, ``finish_step`` waits and commits.
+On a CPU cache with ``defer_saves`` nothing is reserved or copied during the step: the
+copies would run on this thread and hold back the step's tokens (a prompt's first token
+waited for every layer's copy), so ``finish_step`` queues the trusted saves and the next
+step's ``start_load`` reserves and copies them before it writes any block — the blocks
+are still the requests' (running, or kept by vLLM until ``finished_sending``; a
+preemption runs them first) — and commits them without waiting for the answers.
 
 No save is computed on a block that did not load. Under tensor parallelism a block that
 fails on one rank poisons every rank's KV computed after it (the layers' outputs are
@@ -200,6 +206,8 @@ class WorkerSide:
 
     # -- loading ---------------------------------------------------------------------------
     def start_load(self, metadata: KVStoreConnectorMetadata) -> None:
+        if self._deferred is not None:
+            self._deferred.run_later()  # the earlier steps' saves, before this step writes any block
         runs: list[BlockRun] = []
         for index, spec in enumerate(metadata.loads):
             if not spec.in_step:
@@ -255,6 +263,9 @@ class WorkerSide:
             self._sender.layer_written(metadata.handoffs, self._caches[layer], layer)
         if not metadata.saves or not self._saves_blocks:
             return
+        self._saved_layers.add(layer)
+        if self._copies_after_step:
+            return  # copied at the next step's start (finish_step)
         if self._saves is None:
             self._saves = [(spec, pending) for spec in metadata.saves if (pending := self._reserve(spec)) is not None]
             self._save_runs = [
@@ -264,7 +275,6 @@ class WorkerSide:
             ]
             if self._device is not None:
                 self._save_runs = runs_on(self._device, self._save_runs, self._block_bytes)
-        self._saved_layers.add(layer)
         if self._save_runs:
             self._layer_saves.append(self._copies.submit_save(self._copier.save, self._caches[layer], layer, self._save_runs))
 
@@ -299,6 +309,8 @@ class WorkerSide:
         began = time.perf_counter()
         if self._deferred is None:
             self._commit(self._layer_saves, saves)
+        elif metadata.saves and self._copies_after_step:
+            self._save_after_step(metadata, all_layers)
         elif metadata.saves:
             commit = partial(self._commit, self._layer_saves, saves) if saves else None
             self._deferred.submit((spec.req_id for spec in metadata.saves), self._layer_saves, commit)
@@ -308,15 +320,54 @@ class WorkerSide:
         self._first_failed, self._failed_this_step = {}, set()
         self._step += 1
 
-    def _commit(self, copies: list[CopyJob], saves: list[tuple[SaveSpec, PendingSave, bool]]) -> None:
+    @property
+    def _copies_after_step(self) -> bool:
+        """A CPU cache's saves are copied at the start of the next step: the copies run on
+        this thread, and in their own step they would delay its tokens (a prompt's first)."""
+        return self._deferred is not None and isinstance(self._copies, HostCopies)
+
+    def _save_after_step(self, metadata: KVStoreConnectorMetadata, all_layers: bool) -> None:
+        """Queue the step's trusted saves for the next step's start (``DeferredSaves.run_later``);
+        the others are dropped before they reserve anything."""
+        trusted = []
+        for spec in metadata.saves if self._saves_blocks else ():
+            if all_layers and not any(block in self._failed_recently for block in spec.reads):
+                trusted.append(spec)
+            else:
+                self.counters.aborted_saves += 1
+                logger.warning("kvstore: not saving %d blocks of request %s: this step's KV is not trusted", len(spec.hashes), spec.req_id)
+        req_ids = (spec.req_id for spec in metadata.saves)
+        if trusted:
+            self._deferred.submit_later(req_ids, partial(self._copy_out, trusted))
+        else:
+            self._deferred.submit(req_ids, [], None)
+
+    def _copy_out(self, specs: list[SaveSpec]) -> tuple[list[CopyJob], None]:
+        """Reserve the saves' slots, copy every layer of their blocks into them (a step
+        after the one that computed them) and commit them without waiting for the answers
+        (the next call on the client reads them): the blocks are not read any more."""
+        saves = [(spec, pending) for spec in specs if (pending := self._reserve(spec)) is not None]
+        runs = [
+            run
+            for spec, pending in saves
+            for run in runs_of([spec.block_ids[i] for i in pending.indices], pending.views, self._block_bytes)
+        ]
+        copies = []
+        if runs:
+            copies = [self._copies.submit_save(self._copier.save, cache, layer, runs) for layer, cache in enumerate(self._caches)]
+        self._commit(copies, [(spec, pending, True) for spec, pending in saves], detached=True)
+        return copies, None
+
+    def _commit(self, copies: list[CopyJob], saves: list[tuple[SaveSpec, PendingSave, bool]], detached: bool = False) -> None:
         """Once the step's layer copies are done, commit each save that is trusted and abort
-        the others (a reservation is given back only when no copy writes into it any more)."""
+        the others (a reservation is given back only when no copy writes into it any more).
+        ``detached``: the commits' answers are not waited for."""
         began = time.perf_counter()
         error = wait_all(copies)
         if error is not None:
             logger.error("kvstore: a layer copy into the slab failed, not saving this step: %s", error)
         for spec, pending, trusted in saves:
-            self._finish_save(spec, pending, trusted and error is None)
+            self._finish_save(spec, pending, trusted and error is None, detached or self._deferred is None)
         self.counters.commit_s += time.perf_counter() - began
 
     # -- deferred saves: vLLM keeps a finished request's blocks until they are over ------------
@@ -338,8 +389,8 @@ class WorkerSide:
         """Return once every save queued so far has ended (its counters are final)."""
         if self._deferred is not None:
             self._deferred.wait()
-        elif self._client is not None:
-            self._client.collect_detached()  # the commits sent in their steps: their answers are counted
+        if self._client is not None:
+            self._client.collect_detached()  # the commits sent on this thread: their answers are counted
         if self._sender is not None:
             self._sender.wait()
             self._count_handoffs()
@@ -420,10 +471,10 @@ class WorkerSide:
             self.counters.reserve_s += time.perf_counter() - began
         return pending
 
-    def _finish_save(self, spec: SaveSpec, pending: PendingSave, complete: bool) -> None:
+    def _finish_save(self, spec: SaveSpec, pending: PendingSave, complete: bool, detached: bool) -> None:
         try:
-            if complete and self._deferred is None:
-                # in the step: its answer is not waited for (the next step's first call reads it)
+            if complete and detached:
+                # on the worker thread: its answer is not waited for (the next call on the client reads it)
                 self._client.commit_detached(pending, partial(self._committed, spec.req_id, len(pending.indices)))
             elif complete:
                 self.counters.saved_blocks += self._client.commit(pending)

@@ -21,8 +21,8 @@ must get those prefixes from kvstore alone:
 4. a daemon restarted (and killed) under vLLM's OpenAI API server that keeps receiving
    requests fails none of them; hits resume once it is back, from NVMe;
 5. saves end after their step (``defer_saves``): a finished request keeps its blocks
-   until its commit lands, a daemon killed mid-save frees them all the same and stores
-   nothing, and a later engine loads what the commit stored.
+   until the next step has copied and committed them, a daemon killed before then frees
+   them all the same and stores nothing, and a later engine loads what was stored.
 """
 
 from __future__ import annotations
@@ -415,15 +415,14 @@ def test_a_producer_finishes_a_request_before_its_paused_decode_daemon_holds_it_
 
 
 def test_a_finished_request_keeps_its_blocks_until_its_save_is_over_and_a_later_engine_loads_it(store):
-    """tests/vllm_deferred_saves.py holds the engine's commits at a gate: a daemon killed
-    mid-save frees the request's blocks all the same and stores nothing of it; a request
-    whose commit waits keeps its blocks until it lands. A later engine then loads what
-    that commit stored and decodes what the first engine computed."""
+    """tests/vllm_deferred_saves.py steps the engine itself: a request that finishes with
+    its saves still to do keeps its blocks until the next step has copied and committed
+    them; a daemon killed before then frees them all the same and stores nothing of it. A
+    later engine then loads what was stored and decodes what the first engine computed."""
     daemon = store.start_daemon()
     gone, held, after = random_prompt(41), random_prompt(42), random_prompt(43, 200)
     plan_path = store.workdir / "deferred-saves.json"
-    # deferred explicitly: a CPU engine commits each step's saves in the step by default
-    plan = {"model": str(store.model), "block_size": BLOCK, "max_model_len": 4096, "connector": store.connector(daemon, defer_saves=True)}
+    plan = {"model": str(store.model), "block_size": BLOCK, "max_model_len": 4096, "connector": store.connector(daemon)}
     plan_path.write_text(json.dumps({**plan, "prompts": [gone, held, after]}))
     log = store.workdir / "deferred-saves.log"
     with open(log, "w") as errors:

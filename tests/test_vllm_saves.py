@@ -89,3 +89,74 @@ def test_a_commit_that_raises_is_logged_and_its_requests_finish(caplog):
         assert "committing a step's saves failed" in caplog.text
     finally:
         saves.close()
+
+
+def test_saves_copied_after_their_step_copy_at_the_next_step_on_its_thread_then_commit():
+    saves, log = DeferredSaves(), []
+    committed = threading.Event()
+    try:
+
+        def copy_out():
+            log.append(("copy", threading.current_thread().name))
+            job = CopyJob(lambda: log.append(("slab", threading.current_thread().name)), ())
+            job.run()  # a CPU cache's copy: at once, on the calling thread
+            return [job], lambda: (log.append(("commit", threading.current_thread().name)), committed.wait(10))
+
+        saves.submit_later(["a"], copy_out)
+        assert log == [] and saves.settled() == {}
+        assert saves.finished_sending(["a"]) == set()  # its blocks are kept: nothing is copied yet
+        saves.run_later()  # the next step's start
+        here = threading.current_thread().name
+        assert log[:2] == [("copy", here), ("slab", here)]
+        assert saves.finished_sending([]) == set()  # the commit still runs
+        committed.set()
+        saves.wait()
+        assert log[2][0] == "commit" and log[2][1] != here  # on the commit thread
+        assert saves.settled() == {"a": 1}
+        assert saves.finished_sending([]) == {"a"}
+        saves.run_later()
+        assert len(log) == 3  # once
+    finally:
+        committed.set()
+        saves.close()
+
+
+def test_a_preemption_or_a_wait_runs_the_copies_left_for_the_next_step():
+    saves, copied = DeferredSaves(), []
+    try:
+        saves.submit_later(["a"], lambda: (copied.append("a"), ([], lambda: None))[1])
+        saves.flush_copies()  # before a step that may hand a preempted request's blocks to another
+        assert copied == ["a"]
+        saves.submit_later(["b"], lambda: (copied.append("b"), ([], lambda: None))[1])
+        saves.wait()
+        assert copied == ["a", "b"] and saves.finished_sending(["a", "b"]) == {"a", "b"}
+    finally:
+        saves.close()
+
+
+def test_copies_never_run_are_dropped_at_close_and_a_failed_copy_out_finishes_its_requests(caplog):
+    saves, copied = DeferredSaves(), []
+
+    def failing():
+        raise RuntimeError("the daemon went away")
+
+    saves.submit_later(["a"], failing)
+    saves.run_later()
+    assert "copying a step's saves out of the engine's blocks failed" in caplog.text
+    assert saves.finished_sending(["a"]) == {"a"}
+    saves.submit_later(["b"], lambda: (copied.append("b"), ([], lambda: None))[1])
+    saves.close()
+    assert copied == []  # it reserved nothing: nothing to give back
+    assert saves.settled() == {"b": 1}
+
+
+def test_a_step_whose_copies_committed_already_settles_as_they_end():
+    saves, copied = DeferredSaves(), []
+    try:
+        saves.submit_later(["a"], lambda: (copied.append("a"), ([], None))[1])  # a CPU cache's: commits sent, answers unread
+        assert saves.finished_sending(["a"]) == set()
+        saves.run_later()
+        assert copied == ["a"] and saves.settled() == {"a": 1}
+        assert saves.finished_sending([]) == {"a"}
+    finally:
+        saves.close()

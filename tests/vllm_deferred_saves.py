@@ -3,16 +3,16 @@ venv by tests/test_vllm_e2e.py:
 
     .venv-vllm/bin/python tests/vllm_deferred_saves.py PLAN.json DAEMON_PID
 
-The worker's commits are held at a gate, so a step's saves are still in flight when
-its request finishes:
+On a CPU engine a step's saves are copied out and committed at the start of the next
+step, so a request whose last step computed its prompt (one token asked for) finishes
+with its saves still to do; the script steps the engine itself:
 
-1. "gone": a request finishes while its commit waits; the daemon is killed (SIGKILL) and
-   the gate opened: the commit fails, the request's blocks are freed all the same, the
-   engine serves on. The script then prints {"phase": "daemon killed"} and waits for a
-   line on stdin (the test restarts the daemon meanwhile);
-2. "held": a request finishes while its commit waits: vLLM keeps its blocks, steps and
-   all, and the store holds none of it; once the gate opens the commit lands, the worker
-   reports the request and vLLM frees its blocks.
+1. "gone": the daemon is killed (SIGKILL) before the next step: its saves fail, the
+   request's blocks are freed all the same, the engine serves on. The script then prints
+   {"phase": "daemon killed"} and waits for a line on stdin (the test restarts the daemon
+   meanwhile); nothing of the request was stored;
+2. "held": vLLM keeps the request's blocks, and the store holds none of it, until the next
+   step copies and commits them; then every full block is stored and the blocks are freed.
 
 Each check prints one JSON line {"case", "ok", ...}; the last line is {"tokens": [...]}
 (what case 2's prompt decoded); the exit status is 0 when all checks pass.
@@ -24,7 +24,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 
 from vllm import SamplingParams
@@ -64,22 +63,9 @@ worker = get_kv_transfer_group()._worker
 block_size = plan["block_size"]
 gone_prompt, held_prompt, after_prompt = plan["prompts"]
 
-# the gate: every commit waits until it is opened
-gate, commit_waiting = threading.Event(), threading.Event()
-real_commit = worker._client.commit
 
-
-def gated_commit(pending):
-    commit_waiting.set()
-    gate.wait(120)
-    return real_commit(pending)
-
-
-worker._client.commit = gated_commit
-
-
-def generate(prompt: list[int]) -> list[int]:
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+def generate(prompt: list[int], max_tokens: int = 4) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return list(llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0].outputs[0].token_ids)
 
 
@@ -93,13 +79,12 @@ worker_namespace = namespace_for(worker._geometry, worker_tp_rank(), "")
 num_full = len(held_prompt) // block_size
 free_at_start = pool.get_num_free_blocks()
 
-# 1. the daemon dies while a request's commit is in flight
-generate(gone_prompt)
-check("gone: the request finished before its commit", commit_waiting.wait(30) and len(scheduler.requests) == 1)
+# 1. the daemon dies while a finished request's saves wait for the next step
+generate(gone_prompt, max_tokens=1)  # its only step computes its prompt and its last token
+check("gone: the request finished before its saves", len(scheduler.requests) == 1 and stored_blocks(gone_prompt) == 0)
 os.kill(daemon_pid, signal.SIGKILL)
 time.sleep(1.0)
-gate.set()
-check("gone: its blocks are freed once the commit failed", eventually(lambda: not scheduler.requests))
+check("gone: its blocks are freed once its saves failed", eventually(lambda: not scheduler.requests))
 check("gone: every block is free again", pool.get_num_free_blocks() == free_at_start, free=pool.get_num_free_blocks())
 check("gone: the engine serves on", len(generate(after_prompt)) == 4)
 print(json.dumps({"phase": "daemon killed"}), flush=True)
@@ -107,19 +92,15 @@ sys.stdin.readline()  # the daemon is back
 time.sleep(3.0)  # the connector's clients reconnect at their next call after a backoff of 2 s at most
 check("gone: nothing of it was stored", stored_blocks(gone_prompt) == 0)
 
-# 2. a finished request keeps its blocks until its commit lands
-gate.clear()
-commit_waiting.clear()
-tokens = generate(held_prompt)
-check("held: the request finished before its commit", commit_waiting.wait(30))
-for _ in range(5):
-    llm.llm_engine.step()
+# 2. a finished request keeps its blocks until its saves are over
+tokens = generate(held_prompt, max_tokens=1)
 held = free_at_start - pool.get_num_free_blocks()
-check("held: vLLM keeps its blocks while its save is in flight", len(scheduler.requests) == 1 and held >= num_full, held=held)
+check("held: vLLM keeps its blocks while its saves wait", len(scheduler.requests) == 1 and held >= num_full, held=held)
 check("held: nothing of it is stored yet", stored_blocks(held_prompt) == 0)
-gate.set()
-check("held: its blocks are freed once the commit landed", eventually(lambda: not scheduler.requests))
+check("held: its blocks are freed once its saves are over", eventually(lambda: not scheduler.requests))
 check("held: every block is free again", pool.get_num_free_blocks() == free_at_start)
+worker.wait_for_saves()  # the commits' answers
 check("held: every full block is stored", stored_blocks(held_prompt) == num_full)
+check("held: the worker counted them", worker.counters.saved_blocks >= num_full, saved=worker.counters.saved_blocks)
 print(json.dumps({"tokens": tokens}), flush=True)
 sys.exit(0 if all(result["ok"] for result in results) else 1)

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from kvstore.cache_value import DEFAULT_HALF_LIFE_S, MAX_HALF_LIFE_S
 from kvstore.errors import InvalidArgument
 from kvstore.paths import default_cache_dir, default_socket_path, default_token_path
 from kvstore.tiers.host import HostTierConfig
@@ -140,6 +141,12 @@ class ServerConfig:
     # what is new (kvstore/gcpolicy.py); every this many seconds everything is thawed and
     # collected once (cyclic garbage among frozen objects). 0: never; -1: CPython's own policy
     gc_full_interval_s: float = 3600.0
+    # scale-down (kvstore/cache_value.py): the half-life of a block's weight in this node's
+    # unique cache value, and how often the daemon measures that value for its metric
+    # (kvstore_unique_cache_value_bytes: a walk of the catalogue and a match of its chains in
+    # the index, so not on every scrape); Admin.CacheValue measures on demand
+    cache_value_half_life_s: float = DEFAULT_HALF_LIFE_S
+    cache_value_interval_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.socket_mode not in (0o600, 0o660):
@@ -166,6 +173,12 @@ class ServerConfig:
             raise ConfigError(f"server.spin_us must lie in [0, {MAX_SPIN_US:g}], got {self.spin_us}.")
         if self.event_loop not in ("auto", "uvloop", "asyncio"):
             raise ConfigError(f"server.event_loop must be 'auto', 'uvloop' or 'asyncio', got {self.event_loop!r}.")
+        if not 0 < self.cache_value_half_life_s <= MAX_HALF_LIFE_S:
+            raise ConfigError(
+                f"server.cache_value_half_life_s must lie in (0, {MAX_HALF_LIFE_S:g}] seconds, got {self.cache_value_half_life_s}."
+            )
+        if not 0.1 <= self.cache_value_interval_s <= 86_400:
+            raise ConfigError(f"server.cache_value_interval_s must lie in [0.1, 86400] seconds, got {self.cache_value_interval_s}.")
 
     @property
     def socket_gid(self) -> int | None:

@@ -34,6 +34,7 @@ import socket
 import threading
 from pathlib import Path
 
+from kvstore.cache_meter import CacheValueMeter
 from kvstore.config import DaemonConfig
 from kvstore.engines import EngineMetrics, EngineSubscriptions
 from kvstore.errors import KVStoreError, TierUnavailable
@@ -45,6 +46,7 @@ from kvstore.metrics import Metrics
 from kvstore.node import Node
 from kvstore.paths import check_daemon_dir, load_or_create_token, state_path_for, write_state
 from kvstore.posture import log_posture, posture
+from kvstore.prefetch import Prefetcher
 from kvstore.publisher import IndexPublisher
 from kvstore.router import Router
 from kvstore.steps import run_steps
@@ -167,7 +169,10 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
     engines = EngineSubscriptions(config.engines, index)
     engine_metrics = EngineMetrics()
     metrics.registry.register(engine_metrics)
-    grpc_server, grpc_port = create_grpc_server(node, router, server_config, transfers, engines.counters)
+    cache_meter = CacheValueMeter(manager, index, node.node_id, server_config.cache_value_half_life_s, server_config.cache_value_interval_s)
+    metrics.registry.register(cache_meter)
+    prefetcher = Prefetcher(node, transfers)
+    grpc_server, grpc_port = create_grpc_server(node, router, server_config, transfers, engines.counters, prefetcher)
     await grpc_server.start()
     node_info = NodeInfo(node.node_id, grpc_address=f"{server_config.grpc_host}:{grpc_port}", transport_address=transport_address)
     publisher = IndexPublisher(index, node_info, manager, config.index)
@@ -208,6 +213,7 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
     housekeeping = asyncio.create_task(_housekeeping(node, transfers, refresh, stop))
     demotion = asyncio.create_task(_demotion(manager, stop))
     probing = asyncio.create_task(_probe_loop_lag(metrics, server_config.loop_lag_interval_ms / 1000, stop))
+    metering = asyncio.create_task(cache_meter.run(stop))
     if ready is not None:
         ready.set()
     try:
@@ -217,8 +223,9 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> Non
         # every step is attempted whatever the ones before did: the blocks must reach NVMe
         local_server.close()
         await _attempt("stopping the gRPC server", grpc_server.stop(grace=server_config.drain_timeout_s))
+        await _attempt("ending the prefetches", prefetcher.close())
         await _attempt("closing the engines' connections", local.close())  # no request reaches the tiers after this
-        for task in (housekeeping, demotion, probing, publishing):
+        for task in (housekeeping, demotion, probing, publishing, metering):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

@@ -70,6 +70,20 @@ class Metrics:
             ["op"],
             registry=r,
         )
+        self.retain_blocks = Counter(
+            "kvstore_retain_blocks",
+            "Blocks named by Admin.Retain calls, by outcome: retained (newly or extended), or over_budget "
+            "(manager.max_retained_fraction of the node was retained already).",
+            ["result"],
+            registry=r,
+        )
+        self.prefetch_blocks = Counter(
+            "kvstore_prefetch_blocks",
+            "Blocks named by Admin.Prefetch calls, by outcome: host (in the host tier already), promoted (brought up from "
+            "NVMe), fetched (from the source peer), missed (none of these).",
+            ["result"],
+            registry=r,
+        )
         self.loop_lag = Histogram(
             "kvstore_event_loop_lag_seconds",
             "How late the daemon's event loop ran a timer (sampled every server.loop_lag_interval_ms): "
@@ -125,6 +139,16 @@ class Metrics:
 
     def evicted_explicitly(self, num_blocks: int) -> None:
         self.explicit_evictions.inc(num_blocks)
+
+    def retain_requested(self, num_retained: int, num_over_budget: int) -> None:
+        self.retain_blocks.labels("retained").inc(num_retained)
+        if num_over_budget:
+            self.retain_blocks.labels("over_budget").inc(num_over_budget)
+
+    def prefetched(self, result: str, num_blocks: int) -> None:
+        """Blocks a prefetch found or brought: ``result`` is host, promoted, fetched or missed."""
+        if num_blocks > 0:
+            self.prefetch_blocks.labels(result).inc(num_blocks)
 
     def observe(self, rpc: str, seconds: float) -> None:
         """A request of ``rpc`` took ``seconds`` to serve."""
@@ -236,6 +260,8 @@ class _Snapshot(Collector):
             "reservations": manager.num_reservations,
             "lookup_holds": manager.num_holds,
             "blocks": len(manager.catalogue),
+            "retained_blocks": manager.num_retained,
+            "retained_bytes": manager.retained_bytes,
         }
 
     def collect(self) -> Iterator:
@@ -254,8 +280,15 @@ class _Snapshot(Collector):
             ("reservations", "Write reservations open now."),
             ("lookup_holds", "Lookups whose blocks are held from eviction until their engine loads them."),
             ("blocks", "Blocks cached on this node."),
+            ("retained_blocks", "Block keys retained for agent sessions between turns (Admin.Retain), cached here or awaited."),
+            ("retained_bytes", "Bytes the retained keys count against manager.max_retained_fraction of the node."),
         ):
             yield GaugeMetricFamily(f"kvstore_{name}", help_text, value=self._gauges.get(name, 0))
+        yield CounterMetricFamily(
+            "kvstore_retained_dropped_blocks",
+            "Retained blocks dropped for room while their retention held: the lowest tier had nothing else left to evict.",
+            value=self._counters.get("retained_dropped", 0),
+        )
         events = CounterMetricFamily(
             "kvstore_tier_events", "Tier manager events: evictions by reason, moves, corrupt reads, failures.", labels=["event", "detail"]
         )

@@ -9,11 +9,12 @@
   still be copying into or out of them — until the front end reports the process gone.
   Lookup holds read no bytes, so they go with the connection;
 - metrics for every operation;
-- housekeeping the daemon runs periodically (expired reservations, watermarks, gauges).
+- housekeeping the daemon runs periodically (expired reservations and retentions,
+  watermarks, gauges).
 
 Calls that may wait for NVMe I/O (``begin_save``, ``begin_load``, ``put_inline``,
-``get_inline``) are steps (tiers/steps.py), which the daemon drives without blocking its
-loop (kvstore/steps.py).
+``get_inline``, ``prefetch_steps``) are steps (tiers/steps.py), which the daemon drives
+without blocking its loop (kvstore/steps.py).
 
 Both front ends — the local protocol engines use over the Unix socket and the gRPC API —
 call this one object, so they validate and behave alike.
@@ -40,7 +41,7 @@ from kvstore.metrics import Metrics
 from kvstore.namespace import Namespace, SaltDigest
 from kvstore.tier_kind import TIER_BY_RANK, TierKind
 from kvstore.tiers.base import TierStats, byte_view
-from kvstore.tiers.manager import BlockInfo, EvictResult, ReadLease, Reservation, TierManager
+from kvstore.tiers.manager import BlockInfo, EvictResult, ReadLease, Reservation, RetainResult, TierManager
 from kvstore.tiers.steps import Steps
 
 __all__ = ["Node", "NodeStats", "Limits", "BlockPage"]
@@ -432,6 +433,8 @@ class Node:
                 "sessions_orphaned": len(self._orphans),  # connections gone, processes alive
                 "slots_quarantined": manager.quarantined_slots,  # expired reservations', kept for their writers
                 "moves_in_flight": manager.num_moves_in_flight,
+                "retained_blocks": manager.num_retained,  # keys retained for agent sessions between turns
+                "retained_bytes": manager.retained_bytes,
             },
         )
 
@@ -483,12 +486,32 @@ class Node:
         self._check_hashes(hashes)
         return self.manager.unpin(digest, hashes)
 
+    # -- agent sessions between turns ------------------------------------------------------
+    def retain(self, digest: bytes, hashes: Sequence[BlockHash], ttl_s: float) -> RetainResult:
+        """Keep a session's chain through the pause before its next turn: evicted last,
+        demoted rather than dropped, for ``ttl_s`` (cut to manager.max_retain_s); see
+        ``TierManager.retain``."""
+        self._check_hashes(hashes)
+        result = self.manager.retain(digest, hashes, ttl_s)
+        self.metrics.retain_requested(result.num_retained, len(hashes) - result.num_retained)
+        return result
+
+    def prefetch_steps(self, digest: bytes, hashes: Sequence[BlockHash]) -> Steps[int]:
+        """Bring the cached prefix of ``hashes`` into the host tier, promoting (and
+        verifying) what lies below it, so that an engine's next lookup finds it in memory;
+        returns how many blocks of it are in the host tier after."""
+        self._check_hashes(hashes)
+        lease = yield from self.manager.acquire_steps(digest, hashes, TierKind.HOST)
+        self.manager.release(lease.id)
+        return len(lease.blocks)
+
     def housekeeping(self) -> None:
-        """Periodic work that never waits: expire reservations, refresh gauges, check that the
-        host tier's file is still there. (Demotion above the watermarks waits for NVMe; the
-        daemon drives ``relieve_pressure_steps``.)"""
+        """Periodic work that never waits: expire reservations and retentions, refresh
+        gauges, check that the host tier's file is still there. (Demotion above the
+        watermarks waits for NVMe; the daemon drives ``relieve_pressure_steps``.)"""
         self.check_host_slab()
         self.manager.expire_reservations()
+        self.manager.expire_retention()
         for hold_id in self.manager.expire_holds():
             session = self._sessions.get(self._hold_sessions.pop(hold_id, 0))
             if session is not None:

@@ -39,6 +39,13 @@ class Harness:
             entry.last_access = self.now
             self.policy.touch(entry)
 
+    def retain(self, *names, retained=True):
+        """Flip retention as tiers/residency.py does: the flag, then a reclassification."""
+        for name in names:
+            entry = self.catalogue.get(key(name))
+            entry.retained = retained
+            self.policy.reclassify(entry)
+
     def evict_all(self):
         order = []
         while (victim := self.policy.victim()) is not None:
@@ -112,3 +119,55 @@ def test_parent_becomes_leaf_when_its_last_child_goes():
     h.drop(b2)
     assert a.num_children == 0
     assert h.policy.victim() is a
+
+
+def test_retained_blocks_go_after_every_unretained_block_leaves_first_among_them():
+    h = Harness(LeafFirstLRU())
+    h.add("a")
+    h.add("b", "a")
+    h.add("c", "b")
+    h.add("x")
+    h.add("y", "x")
+    h.add("p")
+    h.add("q", "p")
+    h.retain("a", "b", "c", "p", "q")
+    h.use("x", "y")  # the retained chains are the coldest: without retention they would go first
+    # among the retained, the colder chain goes whole, tail first, as unretained chains do
+    assert h.evict_all() == ["y", "x", "c", "b", "a", "q", "p"]
+
+
+def test_a_retained_orphan_goes_with_the_orphans_before_any_unretained_leaf():
+    h = Harness(LeafFirstLRU())
+    a = h.add("a")
+    h.add("b", "a")
+    h.add("x")
+    h.retain("b")
+    h.drop(a)  # b can no longer be reached by any lookup: retaining it protects nothing
+    assert h.evict_all() == ["b", "x"]
+
+
+def test_a_block_whose_retention_ends_rejoins_its_group_by_its_last_use():
+    h = Harness(LeafFirstLRU())
+    h.add("a")
+    h.add("b", "a")
+    h.add("x")
+    h.retain("a", "b")
+    h.use("x")
+    h.retain("a", "b", retained=False)  # last used before x: they go before it, tail first
+    assert h.evict_all() == ["b", "a", "x"]
+
+
+def test_plain_lru_takes_retained_blocks_last_and_lets_them_rejoin_by_last_use():
+    h = Harness(LRU())
+    h.add("a")
+    h.add("b")
+    h.add("c")
+    h.retain("a")
+    assert h.evict_all() == ["b", "c", "a"]
+    h = Harness(LRU())
+    h.add("a")
+    h.add("b")
+    h.retain("a")
+    h.use("b")
+    h.retain("a", retained=False)
+    assert h.evict_all() == ["a", "b"]

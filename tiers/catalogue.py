@@ -112,6 +112,7 @@ class BlockEntry:
         "num_readers",
         "checksum",
         "pinned",
+        "retained",
         "reachable",
         "moving",
         "stored_at",
@@ -138,6 +139,9 @@ class BlockEntry:
         # transport on receive); None only where no bytes are kept (the simulator)
         self.checksum = checksum
         self.pinned = False
+        # its key is retained (tiers/retention.py): still evictable, but picked last. Set
+        # and cleared by tiers/residency.py, which keeps the eviction policies in step
+        self.retained = False
         self.reachable = parent_key is None
         # set while the block is being moved out of its tier: it no longer counts as a
         # child there, so its parent may be picked next in the same batch

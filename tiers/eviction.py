@@ -18,6 +18,14 @@ Leaf-ness is per tier: a host block whose children were demoted to NVMe is a hos
 so demotion also proceeds from the tails of chains. ``LRU`` ignores structure; it is the
 baseline the simulator compares against.
 
+Retention (``block.retained``, a soft pin with a deadline, tiers/retention.py): every
+policy picks a retained block only once no unretained candidate of the tier is left, so
+retention orders eviction but never refuses room. ``LeafFirstLRU`` keeps retained leaves
+and retained interior blocks in two more groups after the interior ones; a retained
+orphan stays with the orphans (no lookup can reach it, so keeping it protects nothing).
+A block whose retention ends joins its group as a block whose last child left does
+(above): by when it was last used, not as if it had just been.
+
 Owner: the tier manager; not thread-safe.
 """
 
@@ -38,6 +46,7 @@ class Evictable(Protocol):
     last_access: float
     is_tier_leaf: bool
     reachable: bool
+    retained: bool
 
 
 class EvictionPolicy(abc.ABC):
@@ -55,7 +64,7 @@ class EvictionPolicy(abc.ABC):
 
     @abc.abstractmethod
     def reclassify(self, block: Evictable) -> None:
-        """``block``'s children or reachability changed; its group may have changed."""
+        """``block``'s children, reachability or retention changed; its group may have changed."""
 
     @abc.abstractmethod
     def victim(self) -> Any | None:
@@ -68,40 +77,66 @@ class EvictionPolicy(abc.ABC):
 class LRU(EvictionPolicy):
     def __init__(self) -> None:
         self._order: OrderedDict[Hashable, Evictable] = OrderedDict()
+        self._retained: OrderedDict[Hashable, Evictable] = OrderedDict()  # picked once ``_order`` is empty
+
+    def _members(self, block: Evictable) -> OrderedDict[Hashable, Evictable]:
+        return self._retained if block.retained else self._order
 
     def insert(self, block: Evictable) -> None:
-        self._order[block.key] = block
+        self._members(block)[block.key] = block
 
     def remove(self, block: Evictable) -> None:
-        self._order.pop(block.key, None)
+        if self._order.pop(block.key, None) is None:
+            self._retained.pop(block.key, None)
 
     def touch(self, block: Evictable) -> None:
-        if block.key in self._order:
-            self._order.move_to_end(block.key)
+        members = self._members(block)
+        if block.key in members:
+            members.move_to_end(block.key)
 
     def reclassify(self, block: Evictable) -> None:
-        pass
+        members = self._members(block)
+        if block.key in members:
+            return
+        other = self._order if members is self._retained else self._retained
+        if other.pop(block.key, None) is not None:
+            _join(members, block)
 
     def victim(self) -> Evictable | None:
-        return next(iter(self._order.values()), None)
+        for members in (self._order, self._retained):
+            if members:
+                return next(iter(members.values()))
+        return None
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._order) + len(self._retained)
 
 
-_ORPHAN, _LEAF, _INTERIOR = 0, 1, 2
+def _join(members: OrderedDict[Hashable, Evictable], block: Evictable) -> None:
+    """Add ``block`` to ``members`` (LRU first) by when it was last used: at the head when
+    that was no later than the head's, else at the tail."""
+    head = next(iter(members.values()), None)
+    members[block.key] = block
+    if head is not None and block.last_access <= head.last_access:
+        members.move_to_end(block.key, last=False)
+
+
+# in the order victims are taken; a retained group is its unretained one plus _RETAINED
+_ORPHAN, _LEAF, _INTERIOR, _RETAINED_LEAF, _RETAINED_INTERIOR = 0, 1, 2, 3, 4
+_RETAINED = _RETAINED_LEAF - _LEAF
 
 
 class LeafFirstLRU(EvictionPolicy):
     def __init__(self) -> None:
-        self._groups: tuple[OrderedDict[Hashable, Evictable], ...] = (OrderedDict(), OrderedDict(), OrderedDict())
+        self._groups: tuple[OrderedDict[Hashable, Evictable], ...] = tuple(OrderedDict() for _ in range(_RETAINED_INTERIOR + 1))
         self._group_of: dict[Hashable, int] = {}
 
     @staticmethod
     def _group(block: Evictable) -> int:
         if not block.reachable:
             return _ORPHAN
-        return _LEAF if block.is_tier_leaf else _INTERIOR
+        group = _LEAF if block.is_tier_leaf else _INTERIOR
+        return group + _RETAINED if block.retained else group
 
     def insert(self, block: Evictable) -> None:
         group = self._group(block)
@@ -109,12 +144,8 @@ class LeafFirstLRU(EvictionPolicy):
         self._groups[group][block.key] = block
 
     def _regroup(self, block: Evictable, group: int) -> None:
-        members = self._groups[group]
         self._group_of[block.key] = group
-        head = next(iter(members.values()), None)
-        members[block.key] = block
-        if head is not None and block.last_access <= head.last_access:
-            members.move_to_end(block.key, last=False)
+        _join(self._groups[group], block)
 
     def remove(self, block: Evictable) -> None:
         group = self._group_of.pop(block.key, None)

@@ -17,7 +17,7 @@ lookups and composes one collaborator per concern, each in its own module:
 
 - ``TierStack`` (tiers/stack.py): the tiers in order and which have failed;
 - ``Residency`` (tiers/residency.py): the catalogue and the eviction policies in step —
-  holds, pins, drops;
+  holds, pins, retention (tiers/retention.py), drops;
 - ``Mover`` (tiers/movement.py): room on demand, demotion, promotion, persisting,
   failing a tier;
 - ``Reservations`` (tiers/reservations.py): the write path's open reservations;
@@ -45,6 +45,7 @@ never shared.
 from __future__ import annotations
 
 import collections
+import math
 import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -65,9 +66,10 @@ from kvstore.tiers.host import HostTier
 from kvstore.tiers.leases import ReadLeases
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.movement import Mover, block_meta
-from kvstore.tiers.records import BlockInfo, EvictResult, LeasedBlock, ReadLease, Reservation, ReservedBlock
+from kvstore.tiers.records import BlockInfo, EvictResult, LeasedBlock, ReadLease, Reservation, ReservedBlock, RetainResult
 from kvstore.tiers.reservations import Reservations
 from kvstore.tiers.residency import Residency
+from kvstore.tiers.retention import Retention
 from kvstore.tiers.slab import Slot
 from kvstore.tiers.stack import TierStack
 from kvstore.tiers.steps import Steps, run
@@ -81,6 +83,7 @@ __all__ = [
     "LeasedBlock",
     "BlockInfo",
     "EvictResult",
+    "RetainResult",
 ]
 
 
@@ -94,6 +97,11 @@ class TierManagerConfig:
     # demotion in the background turns this off
     demote_on_commit: bool = True
     max_events: int = 1_000_000
+    # retention (``retain``, tiers/retention.py): the longest a retain may last (longer asks
+    # are cut to it), and the share of the node's capacity (every tier's, at start) that
+    # retained blocks may take; 0 turns retention off
+    max_retain_s: float = 600.0
+    max_retained_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.eviction_policy not in POLICIES:
@@ -102,6 +110,10 @@ class TierManagerConfig:
             raise InvalidArgument(f"watermarks must satisfy 0 < low < high <= 1, got low={self.low_watermark}, high={self.high_watermark}.")
         if self.reservation_ttl_s <= 0:
             raise InvalidArgument(f"reservation_ttl_s must be positive, got {self.reservation_ttl_s}.")
+        if not 0 < self.max_retain_s <= 86_400:
+            raise InvalidArgument(f"max_retain_s must lie in (0, 86400] seconds, got {self.max_retain_s}.")
+        if not 0.0 <= self.max_retained_fraction <= 1.0:
+            raise InvalidArgument(f"max_retained_fraction must lie in [0, 1], got {self.max_retained_fraction}.")
 
 
 class TierManager:
@@ -116,7 +128,9 @@ class TierManager:
         self.counters: collections.Counter[str] = collections.Counter()
         self._clock = clock
         self._stack = TierStack(tiers, self.counters)
-        self._residency = Residency(self._stack, config.eviction_policy, self.events, self.counters)
+        capacity = sum(tier.stats().capacity_bytes for tier in tiers)
+        retention = Retention(int(capacity * config.max_retained_fraction), clock)
+        self._residency = Residency(self._stack, config.eviction_policy, self.events, self.counters, retention)
         self.catalogue = self._residency.catalogue
         self._mover = Mover(self._stack, self._residency, self.events, self.counters, config.high_watermark, config.low_watermark)
         self._reservations = Reservations(
@@ -385,6 +399,36 @@ class TierManager:
 
     def unpin(self, namespace: bytes, hashes: Iterable[BlockHash]) -> int:
         return self._residency.unpin(self._entries_for(namespace, hashes))
+
+    def retain(self, namespace: bytes, hashes: Sequence[BlockHash], ttl_s: float) -> RetainResult:
+        """Keep the blocks of ``hashes`` for ``ttl_s`` (at most ``config.max_retain_s``): a
+        soft pin (tiers/retention.py). Retained blocks are evicted only when a tier has no
+        other block to give, demoted to the tier below where there is one, and a block
+        stored under a retained key before the deadline is retained too. In order, as far
+        as the budget (``config.max_retained_fraction``) goes; a later deadline of a key
+        already retained is kept."""
+        nbytes = self.block_bytes(namespace)
+        if not (math.isfinite(ttl_s) and ttl_s > 0):
+            raise InvalidArgument(f"ttl_s must be a number of seconds above 0 (at most {self.config.max_retain_s:g}), got {ttl_s}.")
+        granted = min(ttl_s, self.config.max_retain_s)
+        keys = [(namespace, block_hash) for block_hash in hashes]
+        num_found, num_retained = self._residency.retain(keys, nbytes, self._clock() + granted)
+        return RetainResult(num_found, num_retained, granted)
+
+    def expire_retention(self) -> int:
+        """End the retentions past their deadline (eviction does so too, as it picks);
+        returns how many keys were let go."""
+        return self._residency.expire_retention()
+
+    @property
+    def num_retained(self) -> int:
+        """Block keys retained now, their blocks cached here or not (yet)."""
+        return len(self._residency.retention)
+
+    @property
+    def retained_bytes(self) -> int:
+        """What the retained keys count against the budget (their namespaces' block sizes)."""
+        return self._residency.retention.num_bytes
 
     def evict(
         self,

@@ -10,7 +10,7 @@ from kvstore.hashing import BlockHash
 from kvstore.tier_kind import TierKind
 from kvstore.tiers.slab import Slot
 
-__all__ = ["ReservedBlock", "Reservation", "LeasedBlock", "ReadLease", "BlockInfo", "EvictResult"]
+__all__ = ["ReservedBlock", "Reservation", "LeasedBlock", "ReadLease", "BlockInfo", "EvictResult", "RetainResult"]
 
 
 # Per-block records are plain slotted dataclasses (not frozen): one is made per block on
@@ -66,3 +66,10 @@ class BlockInfo:
 class EvictResult:
     num_evicted: int
     num_skipped: int  # matched but leased, pinned or moving
+
+
+@dataclass(frozen=True, slots=True)
+class RetainResult:
+    num_found: int  # blocks named that are cached here now
+    num_retained: int  # keys named that are retained now (fewer than named: the budget is full)
+    ttl_s: float  # the retention granted: as asked, or cut to the manager's maximum

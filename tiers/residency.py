@@ -2,13 +2,16 @@
 eviction policy per tier, kept in step.
 
 Invariant: a block is in its tier's policy exactly when it is cached and evictable (no
-lease, hold or pin). Every change of a block's holds, pin, children or reachability goes
-through here so that the invariant holds. A hold is how the rest of the manager keeps a
-block from being picked while it works on it (a read lease, a move, the chain a
-reservation extends); ``unhold`` drops the block instead of returning it to its policy
-when its tier failed meanwhile, so a failed tier's blocks all go once nobody holds them.
+lease, hold or pin), in the group its children, reachability and retention say. Every
+change of a block's holds, pin, children, reachability or retention goes through here so
+that the invariant holds. A hold is how the rest of the manager keeps a block from being
+picked while it works on it (a read lease, a move, the chain a reservation extends);
+``unhold`` drops the block instead of returning it to its policy when its tier failed
+meanwhile, so a failed tier's blocks all go once nobody holds them.
 Lookup holds (``hold_keys``) are kept by key beside the policies and become holds only
-when eviction reaches a held block.
+when eviction reaches a held block. Retained keys (tiers/retention.py) are kept beside
+them too; a cached block's ``retained`` flag follows its key's retention, which expires
+here as eviction looks for a victim (and at ``expire_retention``).
 
 A block dropped while held (it failed verification, its tier failed) leaves the
 catalogue at once, so nobody new finds it, but its slot is freed only when its last
@@ -24,20 +27,24 @@ from collections.abc import Iterable, Sequence
 
 from kvstore.events import BlockRemoved, EventQueue, RemovalReason
 from kvstore.tier_kind import TierKind
-from kvstore.tiers.catalogue import BlockEntry, Catalogue
+from kvstore.tiers.catalogue import BlockEntry, BlockKey, Catalogue
 from kvstore.tiers.eviction import make_policy
+from kvstore.tiers.retention import Retention
 from kvstore.tiers.stack import TierStack
 
 __all__ = ["Residency"]
 
 
 class Residency:
-    def __init__(self, stack: TierStack, eviction_policy: str, events: EventQueue, counters: collections.Counter[str]) -> None:
+    def __init__(
+        self, stack: TierStack, eviction_policy: str, events: EventQueue, counters: collections.Counter[str], retention: Retention
+    ) -> None:
         self._stack = stack
         self._policies = {kind: make_policy(eviction_policy) for kind in stack.order}
         self._events = events
         self._counters = counters
         self.catalogue = Catalogue(self._reclassify)
+        self.retention = retention
         self._doomed: set[BlockEntry] = set()
         self._lookup_held: dict[bytes, dict[bytes, int]] = {}  # namespace → block hash → lookup holds on it
         self._holders: dict[bytes, int] = {}  # namespace → hold_keys calls not yet released
@@ -49,6 +56,10 @@ class Residency:
         block of a chain enters its final group (interior, or leaf for the chain's tail)
         instead of entering as a leaf and moving when its child arrives."""
         self.catalogue.insert_chain(entries)
+        retention = self.retention
+        if retention:  # a block stored under a retained key is retained as it arrives
+            for entry in entries:
+                entry.retained = entry.key in retention
         for entry in entries:
             self._policies[entry.tier].insert(entry)
 
@@ -56,6 +67,7 @@ class Residency:
         """The block that ``kind``'s policy would evict next, if any may be. A block a
         lookup holds (``hold_keys``) is passed over: from then on it is held like any other
         until the last lookup hold on it ends."""
+        self.expire_retention()
         policy = self._policies[kind]
         while True:
             entry = policy.victim()
@@ -100,6 +112,31 @@ class Residency:
         if not counts:
             del self._lookup_held[namespace], self._holders[namespace]
 
+    def retain(self, keys: Sequence[BlockKey], nbytes: int, deadline: float) -> tuple[int, int]:
+        """Retain ``keys`` (``nbytes`` each) until ``deadline``, in order, as far as the
+        retention budget goes: how many of them are cached, and how many are retained."""
+        num_found = num_retained = 0
+        for key in keys:
+            entry = self.catalogue.get(key)
+            num_found += entry is not None
+            if not self.retention.grant(key, nbytes, deadline):
+                continue
+            num_retained += 1
+            if entry is not None and not entry.retained:
+                entry.retained = True
+                self._reclassify(entry)
+        return num_found, num_retained
+
+    def expire_retention(self) -> int:
+        """End the retention of the keys past their deadline; returns how many."""
+        expired = self.retention.expire()
+        for key in expired:
+            entry = self.catalogue.get(key)
+            if entry is not None and entry.retained:
+                entry.retained = False
+                self._reclassify(entry)
+        return len(expired)
+
     def lookup_held(self, entry: BlockEntry) -> bool:
         held = self._lookup_held.get(entry.key[0])
         return held is not None and entry.key[1] in held
@@ -138,6 +175,8 @@ class Residency:
                 self._stack.free_quietly(entry.tier, entry.slot)
         self._events.append(BlockRemoved(entry.key[0], (entry.key[1],), entry.tier, reason))
         self._counters[f"evicted_{reason.value}"] += 1
+        if entry.retained and reason is RemovalReason.CAPACITY:  # retention lost: nothing else was left to evict
+            self._counters["retained_dropped"] += 1
 
     @property
     def num_doomed(self) -> int:

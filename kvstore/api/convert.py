@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvstore.api.v1 import kvstore_pb2 as pb
+from kvstore.cache_value import CacheValue, check_half_life
 from kvstore.drain import MoveReport
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import HASH_BYTES, BlockHash
@@ -21,8 +22,9 @@ from kvstore.index.scoring import Candidate, RouteDecision
 from kvstore.layout import KVLayout
 from kvstore.namespace import NAMESPACE_DIGEST_BYTES, Namespace
 from kvstore.node import BlockPage, Limits, NodeStats
+from kvstore.prefetch import PrefetchPlan
 from kvstore.tier_kind import TierKind
-from kvstore.tiers.manager import BlockInfo, EvictResult
+from kvstore.tiers.manager import BlockInfo, EvictResult, RetainResult
 
 __all__ = [
     "Prefix",
@@ -52,6 +54,11 @@ __all__ = [
     "session_id",
     "route_response",
     "node_info",
+    "source_node_id",
+    "retain_response",
+    "prefetch_response",
+    "half_life",
+    "cache_value_response",
 ]
 
 MAX_NAME_CHARS = 1024  # model ids, tenant salts, node ids
@@ -169,6 +176,14 @@ def node_ids(raw: Sequence[str], field: str = "node_ids") -> set[str]:
     for node_id in raw:
         _check_name(node_id, field)
     return set(raw)
+
+
+def source_node_id(raw: str) -> str | None:
+    """A Prefetch's source: a node id or transport address; None where it names none."""
+    if not raw:
+        return None
+    _check_name(raw, "source_node_id")
+    return raw
 
 
 def namespace_from_proto(request: pb.RegisterNamespaceRequest) -> Namespace:
@@ -363,4 +378,40 @@ def move_report(report: MoveReport) -> pb.DrainResponse:
         remaining_blocks=report.remaining_blocks,
         sessions_moved=report.sessions_moved,
         blocks_by_peer=report.blocks_by_peer,
+    )
+
+
+def retain_response(result: RetainResult) -> pb.RetainResponse:
+    return pb.RetainResponse(found_blocks=result.num_found, retained_blocks=result.num_retained, ttl_s=result.ttl_s)
+
+
+def prefetch_response(plan: PrefetchPlan) -> pb.PrefetchResponse:
+    return pb.PrefetchResponse(
+        host_blocks=plan.num_in_host,
+        promoting_blocks=plan.num_promoting,
+        missing_blocks=plan.num_missing,
+        fetching_blocks=plan.num_fetching,
+    )
+
+
+def half_life(request: pb.CacheValueRequest, default_s: float) -> float:
+    """The half-life a CacheValue request asks for: its own, or ``default_s`` where it gives 0."""
+    value = request.half_life_s
+    if value == 0:
+        return default_s
+    if not math.isfinite(value):
+        raise InvalidArgument(f"half_life_s must be a finite number of seconds, got {value}.")
+    return check_half_life(value)
+
+
+def cache_value_response(value: CacheValue) -> pb.CacheValueResponse:
+    return pb.CacheValueResponse(
+        node_id=value.node_id,
+        value_bytes=value.value_bytes,
+        unique_bytes=value.unique_bytes,
+        unique_blocks=value.unique_blocks,
+        total_bytes=value.total_bytes,
+        total_blocks=value.total_blocks,
+        num_peers=value.num_peers,
+        half_life_s=value.half_life_s,
     )

@@ -19,6 +19,7 @@ from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError
 from kvstore.node import Limits, Node
+from kvstore.prefetch import Prefetcher
 from kvstore.router import Router
 from kvstore.transfers.service import TransferService
 
@@ -94,9 +95,11 @@ def create_grpc_server(
     config: ServerConfig,
     transfers: TransferService | None = None,
     more_counters: Callable[[], dict[str, int]] = dict,
+    prefetcher: Prefetcher | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """An aio server bound to ``config.grpc_address`` (port 0: a free port), not started;
-    ``Admin.Stats`` adds ``more_counters()`` to the node's (the engines' subscriptions').
+    ``Admin.Stats`` adds ``more_counters()`` to the node's (the engines' subscriptions');
+    ``Admin.Prefetch`` runs its prefetches in ``prefetcher`` (one of its own if None).
 
     Returns the server and the port it is bound to. Must be called on the event loop that
     owns ``node``: the servicers call it directly.
@@ -112,7 +115,7 @@ def create_grpc_server(
     )
     _add_service(server, "Store", StoreServicer(node))
     _add_service(server, "Index", IndexServicer(node, router))
-    _add_service(server, "Admin", AdminServicer(node, router, transfers, more_counters))
+    _add_service(server, "Admin", AdminServicer(node, router, transfers, more_counters, prefetcher, config.cache_value_half_life_s))
     health_pb2_grpc.add_HealthServicer_to_server(_Health(KVSTORE_SERVICES, node), server)
     reflection.enable_server_reflection((*KVSTORE_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:

@@ -24,6 +24,8 @@ import grpc
 from kvstore.api import convert
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.api.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.cache_meter import measure
+from kvstore.cache_value import DEFAULT_HALF_LIFE_S
 from kvstore.drain import drain, warm
 from kvstore.errors import (
     CapacityExhausted,
@@ -38,6 +40,7 @@ from kvstore.errors import (
 )
 from kvstore.hashing import BlockHash
 from kvstore.node import Node
+from kvstore.prefetch import Prefetcher
 from kvstore.router import Router
 from kvstore.steps import run_steps
 from kvstore.transfers.service import TransferService
@@ -198,12 +201,21 @@ class AdminServicer(_NodeServicer, pb_grpc.AdminServicer):
     service = "Admin"
 
     def __init__(
-        self, node: Node, router: Router, transfers: TransferService | None, more_counters: Callable[[], dict[str, int]] = dict
+        self,
+        node: Node,
+        router: Router,
+        transfers: TransferService | None,
+        more_counters: Callable[[], dict[str, int]] = dict,
+        prefetcher: Prefetcher | None = None,
+        cache_half_life_s: float = DEFAULT_HALF_LIFE_S,
     ) -> None:
         super().__init__(node)
         self.router = router
         self.transfers = transfers
         self.more_counters = more_counters
+        self.cache_half_life_s = cache_half_life_s  # CacheValue's, where a request names none
+        # the daemon passes its own, which it closes at shutdown
+        self.prefetcher = prefetcher or Prefetcher(node, transfers)
 
     @_served
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
@@ -238,6 +250,19 @@ class AdminServicer(_NodeServicer, pb_grpc.AdminServicer):
         return pb.UnpinResponse(count=self.node.unpin(digest, hashes))
 
     @_served
+    async def Retain(self, request: pb.RetainRequest, context) -> pb.RetainResponse:
+        digest = convert.namespace_id(request.namespace_id)
+        hashes = convert.block_hashes(request.block_hashes, self.node.limits)
+        return convert.retain_response(self.node.retain(digest, hashes, request.ttl_s))
+
+    @_served
+    async def Prefetch(self, request: pb.PrefetchRequest, context) -> pb.PrefetchResponse:
+        digest = convert.namespace_id(request.namespace_id)
+        hashes = convert.block_hashes(request.block_hashes, self.node.limits)
+        source = convert.source_node_id(request.source_node_id)
+        return convert.prefetch_response(await self.prefetcher.start(digest, hashes, source))
+
+    @_served
     async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
         targets = list(convert.node_ids(request.target_node_ids, "target_node_ids"))
         report = await drain(self._transfers(), self.router.index, self.router.sessions, targets, request.max_bytes)
@@ -248,6 +273,12 @@ class AdminServicer(_NodeServicer, pb_grpc.AdminServicer):
         sources = list(convert.node_ids(request.source_node_ids, "source_node_ids"))
         report = await warm(self._transfers(), self.router.index, sources, request.max_bytes)
         return convert.move_report(report)
+
+    @_served
+    async def CacheValue(self, request: pb.CacheValueRequest, context) -> pb.CacheValueResponse:
+        half_life_s = convert.half_life(request, self.cache_half_life_s)
+        value = await measure(self.node.manager, self.router.index, self.node.node_id, half_life_s)
+        return convert.cache_value_response(value)
 
     def _transfers(self) -> TransferService:
         if self.transfers is None:

@@ -193,11 +193,7 @@ class NodeInfo(_message.Message):
     transport_address: str
     kind: str
     def __init__(
-        self,
-        node_id: str | None = ...,
-        grpc_address: str | None = ...,
-        transport_address: str | None = ...,
-        kind: str | None = ...,
+        self, node_id: str | None = ..., grpc_address: str | None = ..., transport_address: str | None = ..., kind: str | None = ...
     ) -> None: ...
 
 class NodesResponse(_message.Message):
@@ -507,6 +503,58 @@ class UnpinResponse(_message.Message):
     count: int
     def __init__(self, count: int | None = ...) -> None: ...
 
+class RetainRequest(_message.Message):
+    __slots__ = ("namespace_id", "block_hashes", "ttl_s")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    ttl_s: float
+    def __init__(
+        self, namespace_id: bytes | None = ..., block_hashes: _Iterable[bytes] | None = ..., ttl_s: float | None = ...
+    ) -> None: ...
+
+class RetainResponse(_message.Message):
+    __slots__ = ("found_blocks", "retained_blocks", "ttl_s")
+    FOUND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    found_blocks: int
+    retained_blocks: int
+    ttl_s: float
+    def __init__(self, found_blocks: int | None = ..., retained_blocks: int | None = ..., ttl_s: float | None = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("namespace_id", "block_hashes", "source_node_id")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    source_node_id: str
+    def __init__(
+        self, namespace_id: bytes | None = ..., block_hashes: _Iterable[bytes] | None = ..., source_node_id: str | None = ...
+    ) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("host_blocks", "promoting_blocks", "missing_blocks", "fetching_blocks")
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FETCHING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    host_blocks: int
+    promoting_blocks: int
+    missing_blocks: int
+    fetching_blocks: int
+    def __init__(
+        self,
+        host_blocks: int | None = ...,
+        promoting_blocks: int | None = ...,
+        missing_blocks: int | None = ...,
+        fetching_blocks: int | None = ...,
+    ) -> None: ...
+
 class DrainRequest(_message.Message):
     __slots__ = ("target_node_ids", "max_bytes")
     TARGET_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -551,3 +599,39 @@ class WarmRequest(_message.Message):
     source_node_ids: _containers.RepeatedScalarFieldContainer[str]
     max_bytes: int
     def __init__(self, source_node_ids: _Iterable[str] | None = ..., max_bytes: int | None = ...) -> None: ...
+
+class CacheValueRequest(_message.Message):
+    __slots__ = ("half_life_s",)
+    HALF_LIFE_S_FIELD_NUMBER: _ClassVar[int]
+    half_life_s: float
+    def __init__(self, half_life_s: float | None = ...) -> None: ...
+
+class CacheValueResponse(_message.Message):
+    __slots__ = ("node_id", "value_bytes", "unique_bytes", "unique_blocks", "total_bytes", "total_blocks", "num_peers", "half_life_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    VALUE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNIQUE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNIQUE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PEERS_FIELD_NUMBER: _ClassVar[int]
+    HALF_LIFE_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    value_bytes: float
+    unique_bytes: int
+    unique_blocks: int
+    total_bytes: int
+    total_blocks: int
+    num_peers: int
+    half_life_s: float
+    def __init__(
+        self,
+        node_id: str | None = ...,
+        value_bytes: float | None = ...,
+        unique_bytes: int | None = ...,
+        unique_blocks: int | None = ...,
+        total_bytes: int | None = ...,
+        total_blocks: int | None = ...,
+        num_peers: int | None = ...,
+        half_life_s: float | None = ...,
+    ) -> None: ...

@@ -433,6 +433,16 @@ class AdminStub(object):
                 request_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.UnpinRequest.SerializeToString,
                 response_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.UnpinResponse.FromString,
                 _registered_method=True)
+        self.Retain = channel.unary_unary(
+                '/kvstore.v1.Admin/Retain',
+                request_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.RetainRequest.SerializeToString,
+                response_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.RetainResponse.FromString,
+                _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvstore.v1.Admin/Prefetch',
+                request_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/kvstore.v1.Admin/Drain',
                 request_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.DrainRequest.SerializeToString,
@@ -442,6 +452,11 @@ class AdminStub(object):
                 '/kvstore.v1.Admin/Warm',
                 request_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.WarmRequest.SerializeToString,
                 response_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.CacheValue = channel.unary_unary(
+                '/kvstore.v1.Admin/CacheValue',
+                request_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.CacheValueRequest.SerializeToString,
+                response_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.CacheValueResponse.FromString,
                 _registered_method=True)
 
 
@@ -482,6 +497,26 @@ class AdminServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Retain(self, request, context):
+        """Keep an agent session's chain through the pause before its next turn (a soft pin):
+        retained blocks are evicted only when their tier has nothing else to give, demoted
+        to NVMe rather than dropped, until ttl_s passes. Call it on the replica that served
+        the turn, as the turn ends. A save is never refused because of retention.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prefetch(self, request, context):
+        """Bring a session's chain into the host tier before its next turn reaches the engine:
+        blocks of the cached prefix on NVMe are promoted, and blocks this node misses are
+        fetched from source_node_id where one is named. Answers at once; the work goes on
+        in the daemon.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Drain(self, request, context):
         """Copy this node's most valuable chains to peers with room and move the sessions
         that stuck to it, before scale-down. Requests keep being served meanwhile.
@@ -492,6 +527,17 @@ class AdminServicer(object):
 
     def Warm(self, request, context):
         """Fetch the fleet's hottest shared prefixes from peers into this (new) node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CacheValue(self, request, context):
+        """What the fleet would lose with this node, for scale-down: the bytes of the blocks no
+        other live daemon of the index holds (with their prefix; any tier), each weighted by
+        2^(-idle_s / half_life_s), pinned blocks whole. Measured when asked: a walk of the
+        node's catalogue and a match of its chains in the index. `kvstore drain --plan` ranks
+        the fleet's nodes by it (kvstore/cache_value.py, kvstore/scaledown.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -525,6 +571,16 @@ def add_AdminServicer_to_server(servicer, server):
                     request_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.UnpinRequest.FromString,
                     response_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.UnpinResponse.SerializeToString,
             ),
+            'Retain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Retain,
+                    request_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.RetainRequest.FromString,
+                    response_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.RetainResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.PrefetchRequest.FromString,
+                    response_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.PrefetchResponse.SerializeToString,
+            ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
                     request_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.DrainRequest.FromString,
@@ -534,6 +590,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Warm,
                     request_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.WarmRequest.FromString,
                     response_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.DrainResponse.SerializeToString,
+            ),
+            'CacheValue': grpc.unary_unary_rpc_method_handler(
+                    servicer.CacheValue,
+                    request_deserializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.CacheValueRequest.FromString,
+                    response_serializer=kvstore_dot_api_dot_v1_dot_kvstore__pb2.CacheValueResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -683,6 +744,60 @@ class Admin(object):
             _registered_method=True)
 
     @staticmethod
+    def Retain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Admin/Retain',
+            kvstore_dot_api_dot_v1_dot_kvstore__pb2.RetainRequest.SerializeToString,
+            kvstore_dot_api_dot_v1_dot_kvstore__pb2.RetainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Admin/Prefetch',
+            kvstore_dot_api_dot_v1_dot_kvstore__pb2.PrefetchRequest.SerializeToString,
+            kvstore_dot_api_dot_v1_dot_kvstore__pb2.PrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Drain(request,
             target,
             options=(),
@@ -726,6 +841,33 @@ class Admin(object):
             '/kvstore.v1.Admin/Warm',
             kvstore_dot_api_dot_v1_dot_kvstore__pb2.WarmRequest.SerializeToString,
             kvstore_dot_api_dot_v1_dot_kvstore__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CacheValue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Admin/CacheValue',
+            kvstore_dot_api_dot_v1_dot_kvstore__pb2.CacheValueRequest.SerializeToString,
+            kvstore_dot_api_dot_v1_dot_kvstore__pb2.CacheValueResponse.FromString,
             options,
             channel_credentials,
             insecure,

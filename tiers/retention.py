@@ -1,0 +1,84 @@
+"""Retention: soft pins with a deadline, by block key, within a byte budget.
+
+A coding agent pauses between turns while its tools run. At the end of a turn the router
+retains the session's chain on the replica that served it, so that the next turn still
+finds it there. A retained block stays evictable: its tier's policy picks it only once
+no unretained block is left there (tiers/eviction.py), so retention orders eviction and
+never refuses room to a save; picked in a tier with a tier below, it is demoted like any
+victim, and only the lowest tier drops it.
+
+Retention is by key, as a lookup hold is: a block stored under a retained key while the
+retention lasts (the turn's last blocks, saved as the turn ends; blocks a prefetch
+fetches from a peer) is retained as it arrives. A retain extends a key's deadline, never
+shortens it. A key past its deadline is forgotten lazily — when eviction looks for a
+victim, or at housekeeping — and its block is ordinary cache from then on.
+
+The budget: every retained key counts its namespace's block size, cached or not, and a
+key that would take the total past ``max_bytes`` is not retained; keys already retained
+are extended whatever the budget. So retention never takes more than ``max_bytes`` of the
+cache out of the LRU order, and the keys it remembers are bounded with it.
+
+Owner: the tier manager's thread, through tiers/residency.py (which flips
+``BlockEntry.retained`` and keeps the eviction policies in step); not thread-safe.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+from kvstore.tiers.catalogue import BlockKey
+
+__all__ = ["Retention"]
+
+
+class Retention:
+    def __init__(self, max_bytes: int, clock: Callable[[], float]) -> None:
+        self.max_bytes = max_bytes
+        self._clock = clock
+        self._retained: dict[BlockKey, tuple[float, int]] = {}  # key → (deadline, bytes it counts)
+        # (deadline, key), earliest first; an item whose key was extended (or forgotten)
+        # since is stale and skipped when it comes up
+        self._deadlines: list[tuple[float, BlockKey]] = []
+        self.num_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._retained)
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._retained
+
+    def grant(self, key: BlockKey, nbytes: int, deadline: float) -> bool:
+        """Retain ``key`` until ``deadline`` (or keep its later one); False, changing
+        nothing, when it is not retained yet and ``nbytes`` more would pass the budget."""
+        held = self._retained.get(key)
+        if held is None:
+            if self.num_bytes + nbytes > self.max_bytes:
+                return False
+            self.num_bytes += nbytes
+        elif held[0] >= deadline:
+            return True
+        else:
+            nbytes = held[1]
+        self._retained[key] = (deadline, nbytes)
+        heapq.heappush(self._deadlines, (deadline, key))
+        if len(self._deadlines) > 4 * len(self._retained) + 1024:  # mostly stale: extended many times
+            self._deadlines = [(deadline, key) for key, (deadline, _) in self._retained.items()]
+            heapq.heapify(self._deadlines)
+        return True
+
+    def expire(self) -> list[BlockKey]:
+        """Forget the keys whose deadline has passed; returns them."""
+        deadlines = self._deadlines
+        if not deadlines:
+            return []
+        now = self._clock()
+        expired = []
+        while deadlines and deadlines[0][0] <= now:
+            deadline, key = heapq.heappop(deadlines)
+            held = self._retained.get(key)
+            if held is not None and held[0] == deadline:
+                del self._retained[key]
+                self.num_bytes -= held[1]
+                expired.append(key)
+        return expired

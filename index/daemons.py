@@ -46,7 +46,7 @@ from kvstore.node import Limits
 from kvstore.paths import generated_token, is_loopback
 from kvstore.tier_kind import TierKind
 
-__all__ = ["MAX_ASKED_BLOCKS", "RETRY_AFTER_S", "DaemonAddress", "DaemonsIndex"]
+__all__ = ["MAX_ASKED_BLOCKS", "RETRY_AFTER_S", "DaemonAddress", "DaemonCalls", "DaemonsIndex"]
 
 logger = logging.getLogger("kvstore.router")
 
@@ -70,15 +70,8 @@ class DaemonsIndex(Index):
     ) -> None:
         """``daemons`` gives the current replicas' daemons (it follows a reloaded replica
         list); ``timeout_s`` is the deadline of each call to one daemon."""
-        if not timeout_s > 0:
-            raise InvalidArgument(f"the deadline of a call to a daemon must be positive, got {timeout_s}.")
         self._daemons = daemons
-        self._timeout_s = timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._silent: set[str] = set()  # node ids whose daemon's last call failed (logged once)
-        self._clock = clock
-        self._asked_after: dict[str, float] = {}  # node id -> when its daemon, past its deadline, is asked again
-        self._local_token: str | None = None  # read once; again after a daemon refuses it (a daemon may write it later)
+        self.calls = DaemonCalls(timeout_s, clock)
 
     async def register(self, node: NodeInfo, lease_ttl_s: float) -> bool:
         raise InvalidArgument(_READ_ONLY)
@@ -104,13 +97,10 @@ class DaemonsIndex(Index):
         return sorted((n for answer in answers for n in answer), key=lambda n: n.node_id)
 
     async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            await channel.close()
+        await self.calls.close()
 
-    # -- one daemon ------------------------------------------------------------------------
     async def _match_one(self, daemon: DaemonAddress, request: pb.MatchRequest, num_hashes: int) -> list[NodeMatch]:
-        response = await self._call(daemon, "Match", lambda stub: stub.Match, request)
+        response = await self.calls.call(daemon, "Index", "Match", request)
         if response is None:
             return []
         matches = []
@@ -127,7 +117,7 @@ class DaemonsIndex(Index):
         return matches
 
     async def _nodes_one(self, daemon: DaemonAddress) -> list[NodeInfo]:
-        response = await self._call(daemon, "Nodes", lambda stub: stub.Nodes, pb.NodesRequest())
+        response = await self.calls.call(daemon, "Index", "Nodes", pb.NodesRequest())
         if response is None:
             return []
         return [
@@ -136,16 +126,40 @@ class DaemonsIndex(Index):
             if _belongs(daemon, n.node_id)
         ]
 
-    async def _call(self, daemon: DaemonAddress, method: str, rpc: Callable[[pb_grpc.IndexStub], Callable], request):
-        """The daemon's answer to ``rpc`` of its Index service (named ``method`` in the log),
-        or None when it gives none within the deadline."""
+    async def _current(self) -> list[DaemonAddress]:
+        """The daemons listed now; channels to addresses no longer listed are closed."""
+        daemons = list(self._daemons())
+        await self.calls.keep({d.address for d in daemons})
+        return daemons
+
+
+class DaemonCalls:
+    """Calls to daemons' gRPC APIs, each under its own deadline: one channel per address,
+    opened lazily; the bearer token a daemon takes (its own, else ``$KVSTORE_TOKEN``, else
+    — on loopback only — the one a daemon of this user generated); a daemon that let its
+    deadline pass is not asked again for ``RETRY_AFTER_S``; a daemon that stops answering
+    is logged once, and once when it answers again."""
+
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if not timeout_s > 0:
+            raise InvalidArgument(f"the deadline of a call to a daemon must be positive, got {timeout_s}.")
+        self._timeout_s = timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._silent: set[str] = set()  # node ids whose daemon's last call failed (logged once)
+        self._clock = clock
+        self._asked_after: dict[str, float] = {}  # node id -> when its daemon, past its deadline, is asked again
+        self._local_token: str | None = None  # read once; again after a daemon refuses it (a daemon may write it later)
+
+    async def call(self, daemon: DaemonAddress, service: str, method: str, request):
+        """The daemon's answer to ``service.method`` (``Index``, ``Admin``), or None when it
+        gives none within the deadline, refuses, or has never seen the namespace."""
         if self._clock() < self._asked_after.get(daemon.node_id, 0.0):
             return None
-        stub = pb_grpc.IndexStub(self._channel(daemon.address))
+        stub = _STUBS[service](self._channel(daemon.address))
         token = daemon.token or os.environ.get("KVSTORE_TOKEN") or (self._generated_token() if is_loopback(daemon.address) else "")
         metadata = bearer_metadata(token) if token else ()
         try:
-            response = await rpc(stub)(request, timeout=self._timeout_s, metadata=metadata)
+            response = await getattr(stub, method)(request, timeout=self._timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:  # it answered: it has never seen the namespace
                 return None
@@ -181,14 +195,19 @@ class DaemonsIndex(Index):
             channel = self._channels[address] = grpc.aio.insecure_channel(address)
         return channel
 
-    async def _current(self) -> list[DaemonAddress]:
-        """The daemons listed now; channels to addresses no longer listed are closed."""
-        daemons = list(self._daemons())
-        listed = {d.address for d in daemons}
-        unlisted = [self._channels.pop(a) for a in list(self._channels) if a not in listed]  # before any await
+    async def keep(self, addresses: set[str]) -> None:
+        """Close the channels to addresses not in ``addresses``."""
+        unlisted = [self._channels.pop(a) for a in list(self._channels) if a not in addresses]  # before any await
         for channel in unlisted:
             await channel.close()
-        return daemons
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+
+
+_STUBS = {"Index": pb_grpc.IndexStub, "Admin": pb_grpc.AdminStub}
 
 
 _READ_ONLY = "the router's daemons index only reads: each daemon publishes to its own embedded index."

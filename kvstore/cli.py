@@ -437,14 +437,14 @@ def stats(ctx: Context, watch: float | None, fleet: bool, router_url: str | None
                 click.echo()
 
 
-def _router_get(router_url: str, path: str, key: str | None) -> Any:
+def _router_get(router_url: str, path: str, key: str | None, timeout_s: float = 10.0) -> Any:
     """A GET of the router's JSON API; exits with the router's sentence on an error."""
     import urllib.error
     import urllib.request
 
     request = urllib.request.Request(f"{router_url.rstrip('/')}{path}", headers={"authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
         try:
@@ -675,16 +675,124 @@ def _move_summary(verb: str, document: dict) -> str:
 @main.command()
 @click.option("--to", "targets", multiple=True, help="peer node ids to move blocks to (default: any with room).")
 @click.option("--max-bytes", type=int, default=0, help="stop after moving this many bytes (0: no limit).")
+@click.option("--plan", "show_plan", is_flag=True, help="rank the fleet's nodes, cheapest to lose first; drain nothing.")
+@click.option("--auto", "auto", is_flag=True, help="drain the node --plan ranks cheapest (whichever it is), and say why.")
+@click.option(
+    "--half-life",
+    type=float,
+    metavar="SECONDS",
+    help="with --plan/--auto: the half-life of a block's weight by idle time (default: each daemon's, 600 s unless configured).",
+)
+@click.option(
+    "--router",
+    "router_url",
+    metavar="URL",
+    help="with --plan/--auto: the plan of the kvstore router at URL, which weighs live sessions too.",
+)
+@click.option("--key", envvar="KVSTORE_ROUTER_KEY", help="with --router: an API key of the router's, where it has keys.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(0.1, 60),
+    default=10.0,
+    show_default=True,
+    help="with --plan/--auto: seconds each daemon has to answer; one that does not is listed as unknown.",
+)
 @click.pass_obj
 @_guarded
-def drain(ctx: Context, targets: tuple[str, ...], max_bytes: int) -> None:
-    """Copy this node's most valuable blocks to peers and move its sessions, before it is removed."""
+def drain(
+    ctx: Context,
+    targets: tuple[str, ...],
+    max_bytes: int,
+    show_plan: bool,
+    auto: bool,
+    half_life: float | None,
+    router_url: str | None,
+    key: str | None,
+    timeout: float,
+) -> None:
+    """Copy this node's most valuable blocks to peers and move its sessions, before it is removed.
+
+    --plan ranks the fleet's nodes by what the fleet would lose with each: the bytes of the
+    blocks no other daemon holds, each weighted by 2^(-idle/half-life) (pinned blocks whole),
+    plus, with --router, the context of the live sessions the router placed there. --auto
+    drains the cheapest known node (not necessarily the one at --address); a node that does
+    not answer is listed as unknown and never chosen.
+    """
     from kvstore.api.v1 import kvstore_pb2 as pb
 
-    with ctx.client() as client:
+    if show_plan and auto:
+        raise click.UsageError("give --plan (rank the nodes) or --auto (drain the cheapest), not both.")
+    planning = show_plan or auto
+    if not planning:
+        given = [name for name, value in (("--half-life", half_life), ("--router", router_url), ("--key", key)) if value is not None]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} goes with --plan or --auto.")
+        with ctx.client() as client:
+            response = client.admin.Drain(pb.DrainRequest(target_node_ids=list(targets), max_bytes=max_bytes))
+        document = _message_document(response)
+        ctx.emit(document, lambda: click.echo(_move_summary("moved", document)))
+        return
+    if show_plan and (targets or max_bytes):
+        raise click.UsageError("--plan drains nothing: --to and --max-bytes go with --auto or a plain drain.")
+    if key and not router_url:
+        raise click.UsageError("--key goes with --router.")
+    if half_life is not None:
+        from kvstore.cache_value import check_half_life
+
+        try:
+            check_half_life(half_life)
+        except KVStoreError as exc:
+            raise click.BadParameter(str(exc), param_hint="--half-life") from None
+    plan = _drain_plan(ctx, half_life, router_url, key, timeout)
+    if show_plan:
+        ctx.emit(plan, lambda: _print_plan(plan))
+        return
+    chosen = next((n for n in plan["nodes"] if n["node_id"] == plan["cheapest"]), None)
+    if chosen is None:
+        _fail(f"no node to drain: {plan['reason']}", EXIT_REJECTED)
+    if not chosen["address"]:
+        _fail(f"{chosen['node_id']} is the cheapest to lose, but the plan names no gRPC address to ask it to drain.", EXIT_REJECTED)
+    from kvstore.api.client import connect
+
+    with connect(chosen["address"], token=ctx.token) as client:
         response = client.admin.Drain(pb.DrainRequest(target_node_ids=list(targets), max_bytes=max_bytes))
-    document = _message_document(response)
-    ctx.emit(document, lambda: click.echo(_move_summary("moved", document)))
+    report = _message_document(response)
+    document = {"drained": chosen["node_id"], "address": chosen["address"], "reason": plan["reason"], "report": report, "plan": plan}
+    ctx.emit(
+        document,
+        lambda: click.echo(f"drained {chosen['node_id']} ({chosen['address']}): {plan['reason']}\n{_move_summary('moved', report)}"),
+    )
+
+
+def _drain_plan(ctx: Context, half_life: float | None, router_url: str | None, key: str | None, timeout: float) -> dict:
+    """The plan as JSON (kvstore/scaledown.py): the router's, or built from the daemons the
+    index of the daemon at --address lists, each asked for its cache value."""
+    if router_url:
+        query = {"timeout_s": timeout} | ({"half_life_s": half_life} if half_life is not None else {})
+        return _router_get(router_url, f"/kvstore/drain-plan?{urllib.parse.urlencode(query)}", key, timeout + 10)
+    from kvstore.api.cache_values import daemon_standings
+    from kvstore.api.v1 import kvstore_pb2 as pb
+    from kvstore.scaledown import plan_document, rank
+
+    with ctx.client() as client:
+        nodes = list(client.index.Nodes(pb.NodesRequest()).nodes)
+    return plan_document(rank(daemon_standings(nodes, ctx.token, half_life, timeout)), half_life)
+
+
+def _print_plan(plan: dict) -> None:
+    rows = []
+    for node in plan["nodes"]:
+        if not node["known"]:
+            rows.append([node["node_id"], "unknown", "", "", "", "", node["address"] or "-", node["error"]])
+            continue
+        live = "-" if node["live_bytes"] is None else _size(node["live_bytes"])
+        blocks = f"{node['unique_blocks']}/{node['total_blocks']}"
+        rows.append([node["node_id"], _size(node["cost_bytes"]), _size(node["value_bytes"]), _size(node["unique_bytes"]), blocks, live])
+        rows[-1] += [node["address"], ""]
+    _table(["node", "cost", "cache value", "unique", "unique blocks", "live sessions", "address", "not known because"], rows)
+    click.echo(plan["reason"])
+    for note in plan["notes"]:
+        click.echo(f"note: {note}")
 
 
 @main.command()

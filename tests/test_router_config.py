@@ -141,11 +141,6 @@ def test_one_host_without_redis_names_each_replicas_daemon(tmp_path):
         (ONE_HOST.replace('"127.0.0.1:50551"', '"127.0.0.1:70000"'), [], "got '127.0.0.1:70000'"),
         (ONE_HOST.replace('daemon = "127.0.0.1:50551"', ""), [], "replica gpu-1 has a daemon_token but no daemon address"),
         (ONE_HOST.replace("daemon_timeout_s = 0.25", "daemon_timeout_s = 0"), [], "router.daemon_timeout_s must be a positive number"),
-        (
-            CONFIG,
-            [ReplicaConfig("http://10.0.0.2:8000", "gpu-2", daemon="127.0.0.1:50552")],
-            'replica gpu-2 names a daemon, which only router.index = "daemons" asks',
-        ),
     ],
 )
 def test_one_host_settings_that_cannot_work_are_named(tmp_path, text, replicas, words):
@@ -259,11 +254,8 @@ def test_a_reload_of_a_bad_file_is_refused_with_a_sentence_and_the_running_list_
 
 def test_a_reload_that_switches_the_index_is_refused_while_the_running_index_needs_the_old_list(tmp_path, caplog):
     """router.index takes a restart, so the running one judges the file's replicas: a one-host
-    router refuses a list without daemons, and a Redis router one with them."""
-    for running, text, words in (
-        (ONE_HOST, CONFIG, 'router.index = "daemons" asks each replica\'s daemon, but replica gpu-1 names none'),
-        (CONFIG, ONE_HOST, 'replica gpu-1 names a daemon, which only router.index = "daemons" asks'),
-    ):
+    router refuses a list without daemons."""
+    for running, text, words in ((ONE_HOST, CONFIG, 'router.index = "daemons" asks each replica\'s daemon, but replica gpu-1 names none'),):
         router = Reloadable(tmp_path / "kvstore.toml", running)
         before = router.config
         router.sighup(text)
@@ -472,3 +464,20 @@ def test_the_routers_summary_for_stats_fleet():
     assert 0.25 < r1["ttft_p99_s"] <= 0.5
     assert summary["replicas"]["r2"]["hit_rate"] is None and summary["decisions"] == {"sticky": 3.0}
     assert histogram_quantile(0.5, []) is None
+
+
+def test_a_redis_router_replica_may_name_its_daemon_for_retention_and_retention_settings_are_checked(tmp_path):
+    path = tmp_path / "kvstore.toml"
+    path.write_text(CONFIG + "\n[router.retention]\nmin_ttl_s = 2\nmax_ttl_s = 120\nprefetch = false\n")
+    config = load_router_config(path, replicas=[ReplicaConfig("http://10.0.0.2:8000", "gpu-2", daemon="127.0.0.1:50552")])
+    assert config.replicas[-1].daemon == "127.0.0.1:50552"
+    assert (config.retention.min_ttl_s, config.retention.max_ttl_s, config.retention.prefetch) == (2.0, 120.0, False)
+    for extra, words in (
+        ("min_ttl_s = 0", "router.retention.min_ttl_s must be a positive number"),
+        ("min_ttl_s = 50\nmax_ttl_s = 10", "min_ttl_s (50.0) must not exceed max_ttl_s (10.0)"),
+        ("prefetch = 'yes'", "router.retention.prefetch must be true or false"),
+        ("ttl = 5", "unknown setting router.retention.ttl"),
+    ):
+        path.write_text(CONFIG + "\n[router.retention]\n" + extra + "\n")
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            load_router_config(path)

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -58,6 +58,7 @@ class Fleet:
     process: subprocess.Popen
     engines: dict[str, str]  # replica id -> its engine's url
     gate: Path  # replica-a computes no streamed prompt until this file exists
+    daemons: dict = field(default_factory=dict)  # replica id -> its daemon (daemon_harness.Daemon)
 
     def complete(self, prompt: list[int], session: str, tenant: str) -> httpx.Response:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
@@ -114,7 +115,7 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
                 return False
 
             assert eventually(healthy, timeout_s=60), (tmp_path / "router.log").read_text()
-            yield Fleet(router, process, engines, gate)
+            yield Fleet(router, process, engines, gate, {"replica-a": a, "replica-b": b})
 
 
 def test_a_request_of_the_routers_that_ended_after_the_health_check_does_not_keep_load_on_its_replica(tmp_path):

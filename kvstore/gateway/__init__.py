@@ -1,8 +1,8 @@
 """`kvstore router`: the OpenAI-compatible, prefix- and session-aware front door for engine
 replicas (app.py), its configuration (config.py), reloaded on SIGHUP (reload.py), its
 clients' API keys and tenants (auth.py), the requests it accepts (validation.py) and the
-errors it answers (openai_errors.py), its metrics (metrics.py) and the cache bytes held per
-tenant (tenant_cache.py)."""
+errors it answers (openai_errors.py), its metrics (metrics.py), the cache bytes held per
+tenant (tenant_cache.py) and which replica is cheapest to lose (scaledown.py)."""
 
 from collections.abc import Callable
 

@@ -80,6 +80,8 @@ from kvstore.gateway.prompts import (
 )
 from kvstore.gateway.reload import ConfigReload
 from kvstore.gateway.replicas import Replica, ReplicaSet
+from kvstore.gateway.retention import SessionRetention
+from kvstore.gateway.scaledown import drain_plan_route
 from kvstore.gateway.session_log import Answer, SessionLog, Turn, answer_digest
 from kvstore.gateway.tenant_cache import RecentChains, TenantCache
 from kvstore.gateway.tokenizer import LocalTokenizer
@@ -87,7 +89,7 @@ from kvstore.gateway.validation import validate_request
 from kvstore.hashing import chain_hashes
 from kvstore.index.backends import open_index
 from kvstore.index.base import Index, SessionStore
-from kvstore.index.daemons import DaemonAddress, DaemonsIndex
+from kvstore.index.daemons import DaemonAddress, DaemonCalls, DaemonsIndex
 from kvstore.index.live import LiveSessions
 from kvstore.index.scoring import Candidate, RouteDecision
 from kvstore.index.sessions import EmbeddedSessionStore
@@ -112,6 +114,7 @@ class _Routed:
     held: tuple[int, int] = (0, 0)  # the prompt's leading blocks the chosen replica held, and the most another held
     accounting: _Accounting | None = None  # what its miss attribution and the session log need (keyed requests)
     unkeyed: bool = False  # routed without block keys (multimodal inputs): its computed tokens' cause is not known
+    retained: bool = False  # a session's turn whose chain its replica keeps through the pause (retention.py)
 
     def prefilled(self) -> bool:
         """The replica has computed the prompt: its tokens leave the replica's queue (once;
@@ -195,6 +198,9 @@ class Gateway:
         self.tokenizer = LocalTokenizer(config.tokenizer) if config.tokenizer else None
         self.seen = SeenBlocks(config.seen_blocks)  # the chains the fleet computed: what a miss was evicted from
         self.session_log = SessionLog(config.session_log_sessions)
+        calls = self.index.calls if isinstance(self.index, DaemonsIndex) else DaemonCalls(config.daemon_timeout_s)
+        count = lambda call, outcome: self.metrics.retention_calls.labels(call, outcome).inc()  # noqa: E731
+        self.retention = SessionRetention(config.retention, calls, self._daemons_by_node, config.session_log_sessions, count)
         self._tasks: list[asyncio.Task] = []
         self._reload_checks: set[asyncio.Task] = set()
         self._tokenizer_checks: set[asyncio.Task] = set()
@@ -207,6 +213,10 @@ class Gateway:
 
     def _daemons(self) -> list[DaemonAddress]:
         return [DaemonAddress(r.node_id, r.daemon, r.daemon_token) for r in self.config.replicas]
+
+    def _daemons_by_node(self) -> dict[str, DaemonAddress]:
+        """The replicas' daemons that are named (retention's calls go to them)."""
+        return {r.node_id: DaemonAddress(r.node_id, r.daemon, r.daemon_token) for r in self.config.replicas if r.daemon}
 
     # -- lifecycle -------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -229,6 +239,8 @@ class Gateway:
                     await task
             await self.client.aclose()
             await self.index.close()
+            if not isinstance(self.index, DaemonsIndex):
+                await self.retention.close()
 
     def _on_hangup(self) -> None:
         """SIGHUP: adopt the file's replica list, and check the replicas now rather than at
@@ -358,7 +370,12 @@ class Gateway:
             if self.replicas.disaggregated():
                 routed = await self._disaggregated(path, payload, headers, token_ids, hashes, session_id, tenant, unkeyed)
             else:
-                routed = await self._send(path, body, headers, token_ids, hashes, session_id, model=model, unkeyed=unkeyed, streamed=stream)
+                # a session the client names, or a chat's: kept on its replica through its pauses
+                retained = session is not None and (session.source != "derived" or kind == "chat")
+                routed = await self._send(
+                    path, body, headers, token_ids, hashes, session_id, model=model, unkeyed=unkeyed, streamed=stream, retained=retained
+                )
+                routed.retained = retained
                 self.metrics.overhead.labels("total").observe(routed.started - arrived)
                 if tokenized_here:
                     routed.tokenized_here = len(token_ids)
@@ -521,6 +538,7 @@ class Gateway:
         model: str | None = None,
         unkeyed: str = "",
         streamed: bool = False,
+        retained: bool = False,
     ) -> _Routed:
         """Route and send the request, retrying elsewhere on a failure before its answer
         starts. Its uncached tokens are in the replica's queue until the engine answers —
@@ -548,6 +566,8 @@ class Gateway:
             decision = self.router.decide(lookup, candidates, len(token_ids), ns.block_size, ns.block_bytes, session_id, note)
             if hashes:
                 self.live.record(session_id, decision.node_id, hashes, len(token_ids), now)
+                if retained:  # its chain brought back to the replica while the request is on its way
+                    self.retention.turn_routed(session_id, decision.node_id, ns.digest, hashes, now)
             replica = members[decision.node_id]
             uncached = max(len(token_ids) - decision.expected_cached_tokens, 0)
             replica.sent(uncached)
@@ -751,6 +771,8 @@ class Gateway:
             turn.prompt_tokens, turn.cached_tokens, turn.causes = prompt, cached, causes
             done = Answer(completion if isinstance(completion, int) else 0, answer)
             self.session_log.finish(accounting.session_id, turn, accounting.token_ids, done)
+        if routed.retained:  # its chain kept on its replica through the session's pause
+            self.retention.turn_ended(accounting.session_id, node_id, self.config.namespace.digest, accounting.hashes, time.monotonic())
 
     def _tenant(self, request: Request) -> str | None:
         """The request's tenant. With API keys, the one its key names — a tenant header is
@@ -860,6 +882,7 @@ def build_app(config: RouterConfig, load: Callable[[], RouterConfig] | None = No
         Route("/metrics", gateway.prometheus, methods=["GET"]),
         Route("/kvstore/sessions", gateway.session_list, methods=["GET"]),
         Route("/kvstore/sessions/{session_id:path}", gateway.session_show, methods=["GET"]),
+        drain_plan_route(gateway),  # GET /kvstore/drain-plan (scaledown.py)
     ]
     app = Starlette(routes=routes, lifespan=gateway.lifespan)
     app.state.gateway = gateway

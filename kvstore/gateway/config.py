@@ -26,6 +26,8 @@ skips ``[router]``); the router reads ``[router]``, its ``[router.namespace]`` a
 One host without Redis: ``index = "daemons"``, and each replica names its daemon's gRPC
 address (and the daemon's server.auth_token, when it has one); the router asks those
 daemons, whose index is embedded, under ``daemon_timeout_s`` a call (index/daemons.py).
+With a Redis index a replica may name its daemon too: the router then keeps its sessions'
+chains there through their pauses (``[router.retention]``, retention.py).
 Sessions then live in this router's memory: run one router replica in this mode::
 
     [router]
@@ -90,7 +92,9 @@ class ReplicaConfig:
     url: str
     node_id: str
     role: str = "both"
-    daemon: str = ""  # host:port of its daemon's gRPC API (router.index = "daemons")
+    # host:port of its daemon's gRPC API: asked for matches with router.index = "daemons";
+    # sent sessions' retention and prefetches ([router.retention]) with any index
+    daemon: str = ""
     daemon_token: str = ""  # that daemon's server.auth_token, when it has one
     # the KV bytes its daemon and engine keep for the engines' namespace (host tier, plus
     # the engine's GPU prefix cache where it is on): routing prices what a new session's
@@ -119,6 +123,26 @@ def _check_address(address: str, node_id: str) -> None:
             f"router.replicas: replica {node_id}'s daemon must be the host:port of its daemon's gRPC API "
             f'(server.grpc_port), e.g. "127.0.0.1:50551", got {address!r}.'
         )
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionConfig:
+    """``[router.retention]``: used for the replicas that name their daemon (``daemon``)."""
+
+    enabled: bool = True
+    prefetch: bool = True  # ask the chosen replica's daemon to bring the chain back at a turn's start
+    first_ttl_s: float = 60.0  # a session that has not paused yet
+    min_ttl_s: float = 5.0
+    max_ttl_s: float = 600.0  # a daemon cuts a longer one to its manager.max_retain_s
+    margin: float = 2.0  # times the longest recent pause
+
+    def __post_init__(self) -> None:
+        for name in ("first_ttl_s", "min_ttl_s", "max_ttl_s", "margin"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and value > 0):
+                raise ConfigError(f"router.retention.{name} must be a positive number, got {value!r}.")
+        if self.min_ttl_s > self.max_ttl_s:
+            raise ConfigError(f"router.retention.min_ttl_s ({self.min_ttl_s}) must not exceed max_ttl_s ({self.max_ttl_s}).")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +179,9 @@ class RouterConfig:
     seen_blocks: int = 262_144
     session_log_sessions: int = 1000
     session_text: bool = False
+    # [router.retention]: sessions' chains kept on their replica's daemon through their
+    # pauses and brought back at their next turn (retention.py; replicas naming their daemon)
+    retention: RetentionConfig = RetentionConfig()
     api_keys: ApiKeys = ApiKeys()  # none: every client is let in, and names its own tenant (tenant_header)
     salt_secret: bytes = dataclasses.field(default=b"", repr=False)
 
@@ -176,13 +203,6 @@ class RouterConfig:
                 "router.index must be the redis:// URL the replicas' daemons publish to (index.backend), "
                 f'or "daemons" on one host whose daemons keep an embedded index; got {self.index!r}.'
             )
-        else:
-            named = [r.node_id for r in self.replicas if r.daemon]
-            if named:
-                raise ConfigError(
-                    f'router.replicas: replica {", ".join(named)} names a daemon, which only router.index = "daemons" asks; '
-                    'with a redis:// index the daemons publish there: drop daemon, or set index = "daemons".'
-                )
         if not 0 <= self.port < 65536:
             raise ConfigError(f"router.port must lie in [0, 65536), got {self.port}.")
         for name in (
@@ -260,6 +280,26 @@ def _routing(values: Mapping[str, Any]) -> RoutingConfig:
     return RoutingConfig(**settings)
 
 
+def _retention(values: Any) -> RetentionConfig:
+    if not isinstance(values, Mapping):
+        raise ConfigError("router.retention must be a table ([router.retention]).")
+    fields = {f.name: f for f in dataclasses.fields(RetentionConfig)}
+    settings: dict[str, Any] = {}
+    for name, raw in values.items():
+        if name not in fields:
+            raise ConfigError(f"unknown setting router.retention.{name}; known: {', '.join(sorted(fields))}.")
+        if str(fields[name].type) == "bool":
+            if not isinstance(raw, bool):
+                raise ConfigError(f"router.retention.{name} must be true or false, got {raw!r}.")
+            settings[name] = raw
+        else:
+            try:
+                settings[name] = float(raw)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"router.retention.{name} must be a number, got {raw!r}.") from exc
+    return RetentionConfig(**settings)
+
+
 def load_router_config(
     path: Path | None = None, overrides: Mapping[str, Any] | None = None, replicas: Sequence[ReplicaConfig] = ()
 ) -> RouterConfig:
@@ -271,7 +311,7 @@ def load_router_config(
     fields = {f.name: f for f in dataclasses.fields(RouterConfig)}
     settings: dict[str, Any] = {}
     for name, raw in section.items():
-        if name in ("replicas", "namespace"):
+        if name in ("replicas", "namespace", "retention"):
             continue
         if name not in fields or name in _LOADED:
             known = sorted(set(fields) - set(_LOADED))
@@ -289,6 +329,7 @@ def load_router_config(
     settings["replicas"] = (*found, *replicas)
     settings["namespace"] = namespace_from(section.get("namespace", {}))
     settings["routing"] = _routing(document.get("routing", {}))
+    settings["retention"] = _retention(section.get("retention", {}))
     settings.setdefault("index", "")
     settings["api_keys"] = load_api_keys(settings.get("api_keys_file", ""), os.environ)
     settings["salt_secret"] = load_salt_secret(settings.get("salt_secret_file", ""), os.environ)

@@ -130,6 +130,14 @@ class RouterMetrics:
             ["part"],
             registry=r,
         )
+        self.retention_calls = Counter(
+            "kvstore_router_retention_calls",
+            "Calls to replicas' daemons keeping sessions' chains through their pauses (Retain, at a turn's end) and bringing "
+            "them back (Prefetch, at the next turn's start), by outcome: ok, failed (no answer in time, refused), "
+            "no_daemon (the replica names none), skipped (too many in flight)",
+            ["call", "outcome"],
+            registry=r,
+        )
         self.diverged_lost_tokens = Histogram(
             "kvstore_router_diverged_lost_tokens",
             "Per diverged turn, the tokens the session had sent from the point of divergence on (cached, and now useless)",

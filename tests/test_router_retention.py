@@ -19,7 +19,7 @@ from kvstore.api.client import connect
 from kvstore.api.v1 import kvstore_pb2 as pb
 from kvstore.config import ConfigError
 from kvstore.gateway.config import RetentionConfig
-from kvstore.gateway.retention import PAUSES_KEPT, RetentionPlan
+from kvstore.gateway.retention import MIN_FLEET_PAUSES, PAUSES_KEPT, RetentionPlan
 
 
 def retention_calls(router: str) -> dict[tuple[str, str], float]:
@@ -70,24 +70,37 @@ def test_a_daemon_that_does_not_answer_costs_the_session_nothing_but_its_retenti
         assert retention_calls(f.router).get(("Prefetch", "failed"), 0) == 2
 
 
-def test_a_sessions_retention_follows_its_longest_recent_pause_within_bounds():
+def test_a_sessions_retention_follows_its_longest_recent_pause_and_the_fleets_within_bounds():
     config = RetentionConfig(first_ttl_s=60, min_ttl_s=5, max_ttl_s=300, margin=2)
-    plan = RetentionPlan(config, max_sessions=2)
+    plan = RetentionPlan(config, max_sessions=100)
     assert plan.resumed("s", "a", now=0.0) is None  # its first turn
-    assert plan.ended("s", "a", now=1.0) == 60  # it has not paused yet
+    assert plan.ended("s", "a", now=1.0) == 60  # too few pauses have ended: first_ttl_s
     assert plan.resumed("s", "a", now=11.0) is None  # paused 10 s, on the same replica
-    assert plan.ended("s", "a", now=12.0) == 20
-    assert plan.resumed("s", "b", now=13.0) == "a"  # moved: its blocks are on a
-    assert plan.ended("s", "b", now=14.0) == 20  # the longest recent pause sets it
-    plan.resumed("s", "b", now=1014.0)
-    assert plan.ended("s", "b", now=1015.0) == 300  # at most max_ttl_s
-    for i in range(PAUSES_KEPT + 1):  # the long pause ages out of the recent ones
-        plan.resumed("s", "b", now=2000.0 + i)
-        plan.ended("s", "b", now=2000.5 + i)
-    assert plan.ttl_s("s") == 5  # 2 × 0.5 s, at least min_ttl_s
-    plan.ended("t", "a", now=1.0)
-    plan.ended("u", "a", now=1.0)  # beyond max_sessions: the least recently seen is forgotten
-    assert len(plan) == 2 and plan.ttl_s("s") == 60
+    assert plan.ended("s", "a", now=12.0) == 60  # the first pauses to end are the short ones
+    assert plan.resumed("s", "b", now=52.0) == "a"  # paused 40 s, and moved: its blocks are on a
+    assert plan.ended("s", "b", now=53.0) == 80  # its own longest recent pause
+    plan.resumed("s", "b", now=1053.0)
+    assert plan.ended("s", "b", now=1054.0) == 300  # at most max_ttl_s
+    for i in range(PAUSES_KEPT):  # its long pauses age out of its recent ones
+        plan.resumed("s", "b", now=1054.5 + i)
+        plan.ended("s", "b", now=1055.0 + i)
+    assert plan.ttl_s("s") == 60
+    for i in range(MIN_FLEET_PAUSES):  # enough sessions' pauses have ended: theirs count
+        plan.ended(f"t{i}", "a", now=2000.0)
+        plan.resumed(f"t{i}", "a", now=2000.0 + (20.0 if i % 10 == 9 else 1.0))
+    assert plan.fleet_floor() == 20  # the 90th percentile of 43 pauses, 5 of them 20 s or longer
+    assert plan.ttl_s("s") == 40  # its own pauses are short; the fleet's say a pause may be longer
+    assert plan.ended("new", "a", now=3000.0) == 40  # a session that has not paused: the fleet's
+
+
+def test_a_fleet_of_short_pauses_retains_for_min_ttl_s_and_forgets_the_least_recent_session():
+    plan = RetentionPlan(RetentionConfig(first_ttl_s=60, min_ttl_s=5, max_ttl_s=300, margin=2), max_sessions=MIN_FLEET_PAUSES)
+    for i in range(MIN_FLEET_PAUSES):
+        plan.ended(f"s{i}", "a", now=0.0)
+        plan.resumed(f"s{i}", "b", now=1.0)
+    assert plan.fleet_floor() == 1 and plan.ended("s0", "b", now=2.0) == 5
+    plan.ended("one-more", "a", now=3.0)  # beyond max_sessions: the least recently seen is forgotten
+    assert len(plan) == MIN_FLEET_PAUSES and plan.resumed("s1", "a", now=4.0) is None
 
 
 def test_retention_settings_that_cannot_work_are_refused():

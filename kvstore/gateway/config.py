@@ -131,7 +131,7 @@ class RetentionConfig:
 
     enabled: bool = True
     prefetch: bool = True  # ask the chosen replica's daemon to bring the chain back at a turn's start
-    first_ttl_s: float = 60.0  # a session that has not paused yet
+    first_ttl_s: float = 60.0  # while the router has seen fewer than 32 pauses end
     min_ttl_s: float = 5.0
     max_ttl_s: float = 600.0  # a daemon cuts a longer one to its manager.max_retain_s
     margin: float = 2.0  # times the longest recent pause

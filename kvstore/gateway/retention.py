@@ -6,9 +6,16 @@ host tier. The router knows when a turn ends and, from the session's earlier pau
 how long the next pause will be:
 
 - when a session's turn has been answered, it asks the replica's daemon to *retain* the
-  turn's chain (Admin ``Retain``) for the pause it expects: the longest of the session's
-  last ``PAUSES_KEPT`` pauses times ``margin``, within [``min_ttl_s``, ``max_ttl_s``]
-  (``first_ttl_s`` before the session has paused once). A retained block is evicted last
+  turn's chain (Admin ``Retain``) for the pause it expects: ``margin`` times the longer of
+  the session's longest recent pause (its last ``PAUSES_KEPT``) and the 90th percentile of
+  every session's recent pauses (the last ``FLEET_PAUSES_KEPT``), within [``min_ttl_s``,
+  ``max_ttl_s``]. Until ``MIN_FLEET_PAUSES`` pauses have ended, ``first_ttl_s`` stands in
+  for the percentile: the first pauses to end are the short ones. A session's own few
+  pauses alone say little of its next one (tool calls' times are long-tailed: after one
+  pause of 5 s of a kind whose mean is 15 s, a retention of 2 × 5 s would end before
+  half of the next pauses do), and a retention that lasts too long costs little: a
+  retained block still gives way to a save, and the daemon bounds what it retains. A
+  retained block is evicted last
   among those not pinned, and demoted to NVMe rather than dropped; it never blocks a save;
 - when the session's next turn is routed, it asks the chosen replica's daemon to
   *prefetch* the new prompt's chain (Admin ``Prefetch``): blocks on NVMe are promoted to
@@ -35,11 +42,14 @@ from kvstore.gateway.config import RetentionConfig
 from kvstore.hashing import BlockHash
 from kvstore.index.daemons import MAX_ASKED_BLOCKS, DaemonAddress, DaemonCalls
 
-__all__ = ["MAX_IN_FLIGHT", "PAUSES_KEPT", "RetentionPlan", "SessionRetention"]
+__all__ = ["FLEET_PAUSES_KEPT", "MAX_IN_FLIGHT", "MIN_FLEET_PAUSES", "PAUSES_KEPT", "RetentionPlan", "SessionRetention"]
 
 logger = logging.getLogger("kvstore.router")
 
 PAUSES_KEPT = 8  # a session's pauses that set its retention: the longest of these
+FLEET_PAUSES_KEPT = 1024  # every session's recent pauses: their 90th percentile sets a floor
+MIN_FLEET_PAUSES = 32  # before this many, first_ttl_s does
+_FLEET_QUANTILE = 0.9
 MAX_IN_FLIGHT = 256  # calls to daemons not answered yet; beyond, a call is skipped
 
 
@@ -57,6 +67,8 @@ class RetentionPlan:
         self._config = config
         self._max_sessions = max_sessions
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently seen first
+        self._fleet_pauses: deque[float] = deque(maxlen=FLEET_PAUSES_KEPT)
+        self._fleet_floor: float | None = None  # their 90th percentile, recomputed as pauses come in
 
     def ended(self, session_id: str, node_id: str, now: float) -> float:
         """The session's turn on ``node_id`` has been answered: how long to retain its chain."""
@@ -73,7 +85,10 @@ class RetentionPlan:
             return None
         self._sessions.move_to_end(session_id)
         if session.ended_at is not None:
-            session.pauses.append(max(now - session.ended_at, 0.0))
+            pause = max(now - session.ended_at, 0.0)
+            session.pauses.append(pause)
+            self._fleet_pauses.append(pause)
+            self._fleet_floor = None
             session.ended_at = None
         previous, session.node_id = session.node_id, node_id
         return previous if previous != node_id else None
@@ -81,9 +96,18 @@ class RetentionPlan:
     def ttl_s(self, session_id: str) -> float:
         config = self._config
         session = self._sessions.get(session_id)
-        if session is None or not session.pauses:
-            return config.first_ttl_s
-        return min(max(config.margin * max(session.pauses), config.min_ttl_s), config.max_ttl_s)
+        own = max(session.pauses, default=0.0) if session is not None else 0.0
+        return min(max(config.margin * max(own, self.fleet_floor()), config.min_ttl_s), config.max_ttl_s)
+
+    def fleet_floor(self) -> float:
+        """The pause every session's retention covers: the 90th percentile of every
+        session's recent pauses, or ``first_ttl_s / margin`` before ``MIN_FLEET_PAUSES``."""
+        if len(self._fleet_pauses) < MIN_FLEET_PAUSES:
+            return self._config.first_ttl_s / self._config.margin
+        if self._fleet_floor is None:
+            pauses = sorted(self._fleet_pauses)
+            self._fleet_floor = pauses[int(_FLEET_QUANTILE * len(pauses))]
+        return self._fleet_floor
 
     def __len__(self) -> int:
         return len(self._sessions)

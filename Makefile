@@ -59,6 +59,7 @@ bench: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 	$(PY) -m bench.e2e_vllm
 	$(PY) -m bench.vllm_saves
 	$(PY) -m bench.connector_cost
+	$(PY) -m bench.retention
 	$(PY) -m bench.fleet --regime binding
 	$(PY) -m bench.fleet --regime ample
 
@@ -72,6 +73,7 @@ bench-quick: $(STAMP) $(ENGINES_STAMP) $(VLLM_STAMP)
 	$(PY) -m bench.e2e_vllm --quick
 	$(PY) -m bench.vllm_saves --quick
 	$(PY) -m bench.connector_cost --quick
+	$(PY) -m bench.retention --quick
 	$(PY) -m bench.fleet --quick
 
 # On a CUDA machine without network (the device tool's): the tests marked gpu and the GPU

@@ -50,7 +50,7 @@ import httpx
 
 from bench.proc_cpu import CpuWindow
 from bench.report import Report, parse_args
-from bench.router_fleet import BLOCK, MAX_MODEL_LEN, run_concurrently, session_pauses, session_starts, start_in_parallel
+from bench.router_fleet import BLOCK, MAX_MODEL_LEN, run_concurrently, session_pauses, session_starts, start_in_parallel, stream_completion
 from bench.vllm_engine import ApiServer, build_model
 from kvstore.spawn import spawn_daemon
 
@@ -101,21 +101,10 @@ def run_workload(shape: Shape, seed: int, model: str, urls: list[str], timing_se
             for _ in range(shape.turns):
                 request = {"model": model, "prompt": prompt, "max_tokens": shape.answer_tokens, "temperature": 0.0}
                 request |= {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
-                started = time.monotonic()
-                first, usage, answer = None, {}, []
-                with client.stream("POST", f"{url}/v1/completions", json=request) as response:
-                    response.raise_for_status()
-                    for line in response.iter_lines():
-                        if not line.startswith("data: {"):
-                            continue
-                        first = first if first is not None else time.monotonic() - started
-                        event = json.loads(line[6:])
-                        usage = event.get("usage") or usage
-                        for choice in event.get("choices", []):
-                            answer += choice.get("token_ids") or []
+                first, usage, answer, _ = stream_completion(client, url, request)
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 with lock:
-                    samples.append(Sample(first or 0.0, usage.get("prompt_tokens", len(prompt)), cached))
+                    samples.append(Sample(first, usage.get("prompt_tokens", len(prompt)), cached))
                 prompt = prompt + answer + _tokens(session_rng, shape.user_tokens)
                 time.sleep(next(pauses))
 

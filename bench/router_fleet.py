@@ -386,3 +386,23 @@ def stream(url: str, path: str, payload: dict, headers: dict | None = None, time
 
 def digest_of(token_ids: list[int]) -> str:
     return tokens_digest(token_ids)
+
+
+def stream_completion(client: httpx.Client, url: str, body: dict, headers: dict | None = None) -> tuple[float, dict, list[int], str]:
+    """One streamed completion (``body`` asks for ``stream_options.include_usage`` and
+    ``return_token_ids``): its TTFT (the first data event, client-observed), usage, answer
+    token ids and the replica the router chose (``x-kvstore-replica``; "" without a router)."""
+    started = time.monotonic()
+    first, usage, answer = None, {}, []
+    with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers or {}) as response:
+        response.raise_for_status()
+        replica = response.headers.get("x-kvstore-replica", "")
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            first = first if first is not None else time.monotonic() - started
+            event = json.loads(line[6:])
+            usage = event.get("usage") or usage
+            for choice in event.get("choices", []):
+                answer += choice.get("token_ids") or []
+    return first or 0.0, usage, answer, replica

@@ -218,6 +218,15 @@ def test_explicit_evict_filters():
     assert (result.num_evicted, result.num_skipped) == (1, 1)
 
 
+def test_an_evict_naming_a_block_twice_drops_it_once():
+    manager = make_manager(host_blocks=8)
+    hashes = chain(1, 2)
+    manager.put(NS, hashes, blocks_for(1, 2))
+    result = manager.evict(namespace=NS, hashes=[hashes[1], hashes[1], hashes[0], hashes[1]])
+    assert (result.num_evicted, result.num_skipped) == (2, 0)
+    assert manager.lookup(NS, hashes) == []
+
+
 def test_hbm_tier_logic_on_a_cpu_tensor():
     manager = make_manager(host_blocks=4, hbm_blocks=2, high_watermark=1.0)
     hashes, data = chain(1, 2), blocks_for(1, 2)

@@ -441,7 +441,7 @@ class TierManager:
         if hashes is not None:
             if namespace is None:
                 raise InvalidArgument("evicting by hash needs the namespace the hashes belong to.")
-            candidates = list(self._entries_for(namespace, hashes))
+            candidates = list(dict.fromkeys(self._entries_for(namespace, hashes)))  # a hash named twice is one block
         else:
             candidates = [e for e in self.catalogue if namespace is None or e.key[0] == namespace]
         now = self._clock()

@@ -124,23 +124,41 @@ def test_a_block_stored_under_a_retained_key_is_retained_as_it_arrives():
     assert manager.lookup(NS, session) == [TierKind.HOST] * 4
 
 
-def test_the_retention_budget_bounds_new_keys_and_extending_costs_nothing():
+def test_the_retention_budget_bounds_the_keys_and_the_longest_retained_give_way_to_new_ones():
     clock = Clock()
     # capacity 8 blocks, a quarter of it retainable: 2 blocks
     manager = make_manager(host_blocks=8, clock=clock, max_retained_fraction=0.25)
     session = chain(1, 3)
     put(manager, 1, 3)
     result = manager.retain(NS, session, ttl_s=10)
-    assert (result.num_found, result.num_retained) == (3, 2)  # in chain order: the prefix
+    assert (result.num_found, result.num_retained) == (3, 2)  # in chain order: the prefix, never its own keys displaced
     assert manager.retained_bytes == 2 * BLOCK
-    assert manager.retain(NS, session[:2], ttl_s=20).num_retained == 2
-    assert manager.retain(NS, chain(2, 1), ttl_s=10).num_retained == 0
+    assert manager.retain(NS, session[:2], ttl_s=20).num_retained == 2  # extending costs nothing
+    # a newer session's key takes the place of the key retained longest ago
+    newer = chain(2, 1)
+    put(manager, 2, 1)
+    assert manager.retain(NS, newer, ttl_s=10).num_retained == 1
+    assert manager.retained_bytes == 2 * BLOCK and manager.num_retained == 2
+    assert manager.counters["retained_displaced"] == 1
+    entry = manager._residency.catalogue.get  # the flag eviction reads (tiers/eviction.py)
+    assert not entry((NS, session[0])).retained and entry((NS, session[1])).retained and entry((NS, newer[0])).retained
     clock.now = 21
     assert manager.expire_retention() == 2 and manager.retained_bytes == 0
     assert manager.retain(NS, chain(2, 1), ttl_s=10).num_retained == 1
     off = make_manager(host_blocks=8, max_retained_fraction=0.0)
     put(off, 1, 3)
     assert off.retain(NS, session, ttl_s=10).num_retained == 0
+
+
+def test_a_displaced_retention_leaves_its_block_to_the_lru_order():
+    retention = Retention(max_bytes=2 * BLOCK, clock=Clock())
+    a, b, c = [(NS, block_hash) for block_hash in chain(3, 3)]
+    assert retention.grant(a, BLOCK, 10.0, call=1) and retention.grant(b, BLOCK, 10.0, call=1)
+    assert not retention.grant(c, BLOCK, 10.0, call=1)  # its own call's keys never give way
+    assert retention.grant(a, BLOCK, 20.0, call=2)  # extended: now the most recent
+    assert retention.grant(c, BLOCK, 10.0, call=3)
+    assert retention.take_displaced() == [b] and retention.take_displaced() == []
+    assert a in retention and c in retention and b not in retention and retention.num_bytes == 2 * BLOCK
 
 
 def test_ttls_are_cut_to_the_maximum_and_malformed_ones_are_refused():

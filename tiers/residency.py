@@ -45,6 +45,7 @@ class Residency:
         self._counters = counters
         self.catalogue = Catalogue(self._reclassify)
         self.retention = retention
+        self._retain_calls = 0  # retain calls so far: a key never gives way to another of its own call
         self._doomed: set[BlockEntry] = set()
         self._lookup_held: dict[bytes, dict[bytes, int]] = {}  # namespace → block hash → lookup holds on it
         self._holders: dict[bytes, int] = {}  # namespace → hold_keys calls not yet released
@@ -116,26 +117,33 @@ class Residency:
         """Retain ``keys`` (``nbytes`` each) until ``deadline``, in order, as far as the
         retention budget goes: how many of them are cached, and how many are retained."""
         num_found = num_retained = 0
+        self._retain_calls += 1
         for key in keys:
             entry = self.catalogue.get(key)
             num_found += entry is not None
-            if not self.retention.grant(key, nbytes, deadline):
+            if not self.retention.grant(key, nbytes, deadline, self._retain_calls):
                 continue
             num_retained += 1
             if entry is not None and not entry.retained:
                 entry.retained = True
                 self._reclassify(entry)
+        displaced = self.retention.take_displaced()  # the longest-retained keys gave way to these
+        self._counters["retained_displaced"] += len(displaced)
+        self._release_retention(displaced)
         return num_found, num_retained
 
     def expire_retention(self) -> int:
         """End the retention of the keys past their deadline; returns how many."""
         expired = self.retention.expire()
-        for key in expired:
+        self._release_retention(expired)
+        return len(expired)
+
+    def _release_retention(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
             entry = self.catalogue.get(key)
             if entry is not None and entry.retained:
                 entry.retained = False
                 self._reclassify(entry)
-        return len(expired)
 
     def lookup_held(self, entry: BlockEntry) -> bool:
         held = self._lookup_held.get(entry.key[0])

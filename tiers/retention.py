@@ -13,10 +13,15 @@ fetches from a peer) is retained as it arrives. A retain extends a key's deadlin
 shortens it. A key past its deadline is forgotten lazily — when eviction looks for a
 victim, or at housekeeping — and its block is ordinary cache from then on.
 
-The budget: every retained key counts its namespace's block size, cached or not, and a
-key that would take the total past ``max_bytes`` is not retained; keys already retained
-are extended whatever the budget. So retention never takes more than ``max_bytes`` of the
-cache out of the LRU order, and the keys it remembers are bounded with it.
+The budget: every retained key counts its namespace's block size, cached or not, and the
+total never passes ``max_bytes``, so retention never takes more than that of the cache out
+of the LRU order, and the keys it remembers are bounded with it. A key that would pass it
+displaces the keys retained (or last extended) longest ago — the chains of sessions whose
+last turn is longest over, most likely ended — but never a key of its own call (a chain
+longer than the budget keeps its prefix). Refusing the new key instead would keep the
+retentions of sessions that are gone and refuse the newest blocks of the ones still
+running, the blocks their next turns need. Keys already retained are extended whatever
+the budget.
 
 Owner: the tier manager's thread, through tiers/residency.py (which flips
 ``BlockEntry.retained`` and keeps the eviction policies in step); not thread-safe.
@@ -25,6 +30,7 @@ Owner: the tier manager's thread, through tiers/residency.py (which flips
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Callable
 
 from kvstore.tiers.catalogue import BlockKey
@@ -40,6 +46,8 @@ class Retention:
         # (deadline, key), earliest first; an item whose key was extended (or forgotten)
         # since is stale and skipped when it comes up
         self._deadlines: list[tuple[float, BlockKey]] = []
+        self._granted: OrderedDict[BlockKey, int] = OrderedDict()  # key → its last grant's call, least recent first
+        self._displaced: list[BlockKey] = []  # given way to newer keys since take_displaced
         self.num_bytes = 0
 
     def __len__(self) -> int:
@@ -48,23 +56,43 @@ class Retention:
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._retained
 
-    def grant(self, key: BlockKey, nbytes: int, deadline: float) -> bool:
-        """Retain ``key`` until ``deadline`` (or keep its later one); False, changing
-        nothing, when it is not retained yet and ``nbytes`` more would pass the budget."""
+    def grant(self, key: BlockKey, nbytes: int, deadline: float, call: int = 0) -> bool:
+        """Retain ``key`` until ``deadline`` (or keep its later one), as part of retain call
+        ``call``; False, changing nothing, when it is not retained yet and ``nbytes`` more
+        would pass the budget even once every key of earlier calls has given way (those
+        that do are listed by ``take_displaced``)."""
         held = self._retained.get(key)
         if held is None:
-            if self.num_bytes + nbytes > self.max_bytes:
+            if not self._make_room(nbytes, call):
                 return False
             self.num_bytes += nbytes
-        elif held[0] >= deadline:
-            return True
         else:
+            self._granted[key] = call
+            self._granted.move_to_end(key)
+            if held[0] >= deadline:
+                return True
             nbytes = held[1]
+        self._granted[key] = call
         self._retained[key] = (deadline, nbytes)
         heapq.heappush(self._deadlines, (deadline, key))
         if len(self._deadlines) > 4 * len(self._retained) + 1024:  # mostly stale: extended many times
             self._deadlines = [(deadline, key) for key, (deadline, _) in self._retained.items()]
             heapq.heapify(self._deadlines)
+        return True
+
+    def take_displaced(self) -> list[BlockKey]:
+        """The keys that gave way to newer ones since the last call."""
+        displaced, self._displaced = self._displaced, []
+        return displaced
+
+    def _make_room(self, nbytes: int, call: int) -> bool:
+        while self.num_bytes + nbytes > self.max_bytes:
+            oldest = next(iter(self._granted), None)
+            if oldest is None or self._granted[oldest] == call:
+                return False
+            del self._granted[oldest]
+            self.num_bytes -= self._retained.pop(oldest)[1]  # its deadline's heap item is stale now
+            self._displaced.append(oldest)
         return True
 
     def expire(self) -> list[BlockKey]:
@@ -78,7 +106,7 @@ class Retention:
             deadline, key = heapq.heappop(deadlines)
             held = self._retained.get(key)
             if held is not None and held[0] == deadline:
-                del self._retained[key]
+                del self._retained[key], self._granted[key]
                 self.num_bytes -= held[1]
                 expired.append(key)
         return expired

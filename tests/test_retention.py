@@ -6,43 +6,13 @@ import math
 
 import pytest
 import torch
+from test_manager import BLOCK, NS, Clock, chain, make_manager
 
 from kvstore.errors import InvalidArgument, UnknownNamespace
 from kvstore.events import BlockRemoved
-from kvstore.hashing import chain_hashes
-from kvstore.layout import KVLayout
-from kvstore.namespace import Namespace
 from kvstore.tier_kind import TierKind
-from kvstore.tiers.manager import TierManager, TierManagerConfig
-from kvstore.tiers.memory import MemoryTier
+from kvstore.tiers.manager import TierManagerConfig
 from kvstore.tiers.retention import Retention
-
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")
-NAMESPACE = Namespace("agent-model", LAYOUT)
-NS = NAMESPACE.digest
-BLOCK = LAYOUT.block_bytes  # 16 KiB
-PAGE = 64 * 1024
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
-def make_manager(host_blocks=8, nvme_blocks=None, clock=None, **config):
-    tiers = [MemoryTier(TierKind.HOST, torch.zeros(host_blocks * BLOCK, dtype=torch.uint8), page_bytes=PAGE)]
-    if nvme_blocks:
-        tiers.append(MemoryTier(TierKind.NVME, torch.zeros(nvme_blocks * BLOCK, dtype=torch.uint8), page_bytes=PAGE))
-    manager = TierManager(TierManagerConfig(**config), tiers, clock=clock or Clock())
-    manager.register_namespace(NAMESPACE)
-    return manager
-
-
-def chain(seed, count):
-    return chain_hashes([seed * 1000 + i for i in range(count * 16)], 16)
 
 
 def put(manager, seed, count):
@@ -58,21 +28,21 @@ def flood(manager, seeds, count=4):
 
 
 def test_a_retained_chain_stays_in_the_host_tier_while_a_flood_demotes_the_rest():
-    manager = make_manager(host_blocks=8, nvme_blocks=64)
+    manager = make_manager(host_blocks=8, lower_blocks=64)
     session = chain(1, 4)
     put(manager, 1, 4)
     assert manager.retain(NS, session, ttl_s=60).num_retained == 4
     flood(manager, range(2, 8))  # 24 blocks through an 8-block host tier
     assert manager.lookup(NS, session) == [TierKind.HOST] * 4
     assert TierKind.NVME in manager.lookup(NS, chain(2, 4))  # the others were demoted instead
-    unretained = make_manager(host_blocks=8, nvme_blocks=64)  # the same flood without the retain
+    unretained = make_manager(host_blocks=8, lower_blocks=64)  # the same flood without the retain
     put(unretained, 1, 4)
     flood(unretained, range(2, 8))
     assert unretained.lookup(NS, session) != [TierKind.HOST] * 4
 
 
 def test_when_only_retained_blocks_are_left_they_are_demoted_not_dropped_and_the_save_goes_on():
-    manager = make_manager(host_blocks=8, nvme_blocks=32, demote_on_commit=False)  # room made on demand, as the daemon's saves do
+    manager = make_manager(host_blocks=8, lower_blocks=32, demote_on_commit=False)  # room made on demand, as the daemon's saves do
     session = chain(1, 8)
     put(manager, 1, 8)  # the whole host tier
     assert manager.retain(NS, session, ttl_s=60).num_retained == 8
@@ -98,7 +68,7 @@ def test_without_a_tier_below_retained_blocks_give_way_to_a_save_and_the_loss_is
 
 def test_retention_ends_at_its_deadline_and_a_newer_retain_extends_it():
     clock = Clock()
-    manager = make_manager(host_blocks=8, nvme_blocks=64, clock=clock)
+    manager = make_manager(host_blocks=8, lower_blocks=64, clock=clock)
     session = chain(1, 4)
     put(manager, 1, 4)
     manager.retain(NS, session, ttl_s=10)
@@ -115,7 +85,7 @@ def test_retention_ends_at_its_deadline_and_a_newer_retain_extends_it():
 
 
 def test_a_block_stored_under_a_retained_key_is_retained_as_it_arrives():
-    manager = make_manager(host_blocks=8, nvme_blocks=64)
+    manager = make_manager(host_blocks=8, lower_blocks=64)
     session = chain(1, 4)
     result = manager.retain(NS, session, ttl_s=60)  # the turn's blocks are still being saved
     assert (result.num_found, result.num_retained) == (0, 4)

@@ -42,11 +42,12 @@ class Retention:
     def __init__(self, max_bytes: int, clock: Callable[[], float]) -> None:
         self.max_bytes = max_bytes
         self._clock = clock
-        self._retained: dict[BlockKey, tuple[float, int]] = {}  # key → (deadline, bytes it counts)
+        # key → (deadline, bytes it counts, the retain call that last granted or extended it),
+        # the least recently granted first
+        self._retained: OrderedDict[BlockKey, tuple[float, int, int]] = OrderedDict()
         # (deadline, key), earliest first; an item whose key was extended (or forgotten)
         # since is stale and skipped when it comes up
         self._deadlines: list[tuple[float, BlockKey]] = []
-        self._granted: OrderedDict[BlockKey, int] = OrderedDict()  # key → its last grant's call, least recent first
         self._displaced: list[BlockKey] = []  # given way to newer keys since take_displaced
         self.num_bytes = 0
 
@@ -61,22 +62,20 @@ class Retention:
         ``call``; False, changing nothing, when it is not retained yet and ``nbytes`` more
         would pass the budget even once every key of earlier calls has given way (those
         that do are listed by ``take_displaced``)."""
-        held = self._retained.get(key)
+        held = self._retained.pop(key, None)
         if held is None:
             if not self._make_room(nbytes, call):
                 return False
             self.num_bytes += nbytes
         else:
-            self._granted[key] = call
-            self._granted.move_to_end(key)
-            if held[0] >= deadline:
-                return True
             nbytes = held[1]
-        self._granted[key] = call
-        self._retained[key] = (deadline, nbytes)
+            if held[0] >= deadline:
+                self._retained[key] = (held[0], nbytes, call)  # extended: the most recent now
+                return True
+        self._retained[key] = (deadline, nbytes, call)
         heapq.heappush(self._deadlines, (deadline, key))
         if len(self._deadlines) > 4 * len(self._retained) + 1024:  # mostly stale: extended many times
-            self._deadlines = [(deadline, key) for key, (deadline, _) in self._retained.items()]
+            self._deadlines = [(deadline, key) for key, (deadline, _, _) in self._retained.items()]
             heapq.heapify(self._deadlines)
         return True
 
@@ -87,12 +86,12 @@ class Retention:
 
     def _make_room(self, nbytes: int, call: int) -> bool:
         while self.num_bytes + nbytes > self.max_bytes:
-            oldest = next(iter(self._granted), None)
-            if oldest is None or self._granted[oldest] == call:
+            oldest = next(iter(self._retained.items()), None)
+            if oldest is None or oldest[1][2] == call:
                 return False
-            del self._granted[oldest]
-            self.num_bytes -= self._retained.pop(oldest)[1]  # its deadline's heap item is stale now
-            self._displaced.append(oldest)
+            del self._retained[oldest[0]]  # its deadline's heap item is stale now
+            self.num_bytes -= oldest[1][1]
+            self._displaced.append(oldest[0])
         return True
 
     def expire(self) -> list[BlockKey]:
@@ -106,7 +105,7 @@ class Retention:
             deadline, key = heapq.heappop(deadlines)
             held = self._retained.get(key)
             if held is not None and held[0] == deadline:
-                del self._retained[key], self._granted[key]
+                del self._retained[key]
                 self.num_bytes -= held[1]
                 expired.append(key)
         return expired
